@@ -1,0 +1,131 @@
+"""The `iws` command. Each subcommand is a thin shell over a library function; `iws <cmd> --help` for its flags."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _task(name):
+    from .tasks import load_task
+
+    return load_task(name)
+
+
+def cmd_collect(a):
+    from .collect import collect
+
+    meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume)
+    print(json.dumps(meta, indent=2))
+
+
+def cmd_data_stats(a):
+    from .datastats import dataset_stats
+
+    stats = dataset_stats(Path(a.data), plot=Path(a.plot) if a.plot else None, loader_batches=a.loader_batches)
+    _emit(stats, a.json)
+
+
+def cmd_eval_pose(a):
+    from .evaluate import validate_pose_estimator
+
+    _emit(validate_pose_estimator(_task(a.task), a.episodes, a.steps), a.json)
+
+
+def cmd_eval_fidelity(a):
+    from .evaluate import fidelity
+
+    report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
+                      decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None)
+    _emit(report, a.json, summary_only=True)
+
+
+def cmd_eval_recon(a):
+    from .evaluate import reconstruction
+
+    _emit(reconstruction(_task(a.task), a.checkpoint, frames=a.frames, steps_list=a.steps), a.json)
+
+
+def cmd_train(a):
+    from .train import main as train_main
+
+    train_main(a.stage, a.rest)
+
+
+def _emit(report: dict, path: str | None, summary_only: bool = False):
+    from .data import write_json_atomic
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(path), report)
+    shown = report.get("summary", report) if summary_only else report
+    print(json.dumps(shown, indent=2, default=str))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iws", description="iws-gym: a learned Push-T simulator as a Gymnasium env")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("collect", help="record scripted play in the ground-truth simulator")
+    c.add_argument("--task", default="tpushing", help="task config name (envs/<task>.toml)")
+    c.add_argument("--episodes", type=int, required=True, help="number of episodes (> 0)")
+    c.add_argument("--out", required=True, help="new or empty output directory")
+    c.add_argument("--seed", type=int, default=0, help="episode i uses seed S+i (must stay below the held-out range)")
+    c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
+    c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
+    c.set_defaults(fn=cmd_collect)
+
+    s = sub.add_parser("data-stats", help="behaviour-mix statistics, plots and loader throughput of a dataset")
+    s.add_argument("--data", required=True)
+    s.add_argument("--json", default=None)
+    s.add_argument("--plot", default=None, help="PNG with the coverage histogram and workspace occupancy")
+    s.add_argument("--loader-batches", type=int, default=50)
+    s.set_defaults(fn=cmd_data_stats)
+
+    t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics), stage3 (decoder fine-tune)")
+    t.add_argument("stage", choices=["stage1", "stage2", "stage3"])
+    t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="measurements against the ground truth")
+    esub = e.add_subparsers(dest="what", required=True)
+    ep = esub.add_parser("pose", help="error of the pixel pose estimator on ground-truth frames")
+    ep.add_argument("--task", default="tpushing")
+    ep.add_argument("--episodes", type=int, default=20)
+    ep.add_argument("--steps", type=int, default=100)
+    ep.add_argument("--json", default=None)
+    ep.set_defaults(fn=cmd_eval_pose)
+
+    ef = esub.add_parser("fidelity", help="open-loop rollout fidelity on held-out episodes, with baselines")
+    ef.add_argument("--task", default="tpushing")
+    ef.add_argument("--checkpoint", default=None, help="checkpoint dir; omit to report the baselines only")
+    ef.add_argument("--horizon", type=int, default=192)
+    ef.add_argument("--episodes", type=int, default=16)
+    ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen"], help="held-out play as in training, or an unseen scripted policy")
+    ef.add_argument("--decoder-steps", type=int, default=None)
+    ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
+    ef.add_argument("--json", default=None)
+    ef.set_defaults(fn=cmd_eval_fidelity)
+
+    er = esub.add_parser("recon", help="stage-1 reconstruction quality and speed on held-out frames")
+    er.add_argument("--task", default="tpushing")
+    er.add_argument("--checkpoint", default=None)
+    er.add_argument("--frames", type=int, default=512)
+    er.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="decoder step counts to report")
+    er.add_argument("--json", default=None)
+    er.set_defaults(fn=cmd_eval_recon)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem
+        print(f"iws {args.cmd}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

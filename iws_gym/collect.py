@@ -1,0 +1,127 @@
+"""`iws collect`: record scripted play in the ground-truth simulator (gym-pusht) as episode files.
+
+Episode i of a collection with seed S uses seed S + i for both gym-pusht's reset and the behaviour
+RNG, so any episode can be regenerated alone and collections are deterministic. Held-out episodes use
+seeds >= the task's `heldout_seed_base` and are generated in memory when evaluating (`heldout_episodes`).
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .behaviours import SEGMENT_MIX, near_goal_state, sample_episode_plan
+from .data import episode_path, write_episode, write_json_atomic
+from .groundtruth import get_state, make_env
+from .tasks import TaskConfig
+
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal"]
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None) -> dict:
+    """One episode of scripted play from seed `seed`. Returns the arrays of `data.ARRAYS` plus 'plan'."""
+    steps = steps or task.episode_steps
+    env = env or make_env(task.frame_size)
+    rng = np.random.default_rng(seed)
+    plan, near_goal = sample_episode_plan(rng, steps)
+    options = {"reset_to_state": near_goal_state(rng)} if near_goal else None
+    obs, info = env.reset(seed=seed, options=options)
+    frames, agent_pos, block_pose, coverage = [obs["pixels"]], [obs["agent_pos"]], [info["block_pose"]], [0.0]
+    actions, contacts, segments = [], [], []
+    coverage[0] = float(env._get_coverage())
+    for name, behaviour, n in plan:
+        for _ in range(n):
+            a = np.asarray(behaviour.act(get_state(env)), dtype=np.float32)
+            obs, _, _, _, info = env.step(a)
+            actions.append(a)
+            frames.append(obs["pixels"])
+            agent_pos.append(obs["agent_pos"])
+            block_pose.append(info["block_pose"])
+            coverage.append(info["coverage"])
+            contacts.append(info["n_contacts"])
+            segments.append(SEGMENT_NAMES.index(name))
+    return dict(
+        frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
+        block_pose=np.stack(block_pose), coverage=np.array(coverage), n_contacts=np.array(contacts),
+        segments=np.array(segments), plan=[(name, n) for name, _, n in plan],
+    )
+
+
+def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, progress: bool = False):
+    """Held-out ground-truth episodes, generated on the fly from seeds disjoint from any training seed."""
+    from tqdm import tqdm
+
+    env = make_env(task.frame_size)
+    for i in tqdm(range(n), desc="held-out episodes", disable=not progress):
+        yield collect_episode(task, task.heldout_seed_base + offset + i, steps, env)
+
+
+def check_out_dir(out: Path, resume: bool) -> set[int]:
+    """Make sure `out` can take a new collection. Returns the indices already there when resuming."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory")
+    existing = sorted(out.glob("ep_*.h5")) if out.is_dir() else []
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        raise ValueError(f"output directory {out} is not empty; use a new directory, or --resume to complete an interrupted collection")
+    out.mkdir(parents=True, exist_ok=True)
+    probe = out / ".write_test"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"output directory {out} is not writable ({e.strerror})") from None
+    for tmp in out.glob("*.h5.tmp"):  # half-written leftovers of an interrupted run
+        tmp.unlink()
+    return {int(p.stem.split("_")[1]) for p in existing}
+
+
+def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: int | None = None,
+            resume: bool = False, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    if episodes <= 0:
+        raise ValueError(f"--episodes must be > 0, got {episodes}")
+    steps = steps or task.episode_steps
+    if steps <= 0:
+        raise ValueError(f"--steps must be > 0, got {steps}")
+    if seed < 0 or seed + episodes > task.heldout_seed_base:
+        raise ValueError(f"seeds {seed}..{seed + episodes - 1} overlap the held-out range (>= {task.heldout_seed_base}) or are negative")
+    out = Path(out)
+    done = check_out_dir(out, resume)
+    env = make_env(task.frame_size)
+    t0 = time.time()
+    todo = [i for i in range(episodes) if i not in done]
+    for i in tqdm(todo, desc=f"collect {task.name}", unit="ep", disable=not progress):
+        ep = collect_episode(task, seed + i, steps, env)
+        attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
+                     plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
+        write_episode(episode_path(out, i), ep, attrs)
+    wall = time.time() - t0
+    meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, seeds=[seed, seed + episodes - 1],
+                frame_size=task.frame_size, ground_truth=task.ground_truth, gym_pusht_version=_version("gym-pusht"),
+                commit=git_commit(), wall_s=round(wall, 1),
+                episodes_per_min=round(len(todo) / max(wall, 1e-9) * 60, 1) if todo else None)
+    write_json_atomic(out / "dataset.json", meta)
+    return meta
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "unknown"
