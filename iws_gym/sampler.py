@@ -1,0 +1,31 @@
+"""Few-step consistency samplers: pure functions over a denoiser, never knowing which network it is.
+
+`denoise(x_t, sigma) -> x0_hat` is any consistency function (see schedule.py). Multistep consistency
+sampling (Song et al. 2023, Alg. 1): start from pure noise at sigmas[0], jump to x0, re-noise to the next
+level, jump again. 1, 2 or 4 steps is the length of `sigmas`, not a code path.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+@torch.no_grad()
+def consistency_sample(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape, sigmas: torch.Tensor,
+                       sigma_min: float, generator: torch.Generator | None = None, device=None,
+                       dtype=torch.float32) -> torch.Tensor:
+    """Returns x0 of `shape` after len(sigmas) consistency jumps."""
+    device = device or "cpu"
+    gen_device = generator.device if generator is not None else device
+
+    def noise():  # drawn on the generator's device so a CPU generator drives a CUDA model reproducibly
+        return torch.randn(shape, generator=generator, device=gen_device).to(device=device, dtype=dtype)
+
+    sigmas = [float(s) for s in sigmas]
+    x_t = noise() * sigmas[0]
+    for i, sigma in enumerate(sigmas):
+        x0 = denoise(x_t, torch.full((shape[0],), sigma, device=device, dtype=dtype))
+        if i + 1 < len(sigmas):
+            x_t = x0 + noise() * (sigmas[i + 1] ** 2 - sigma_min**2) ** 0.5
+    return x0

@@ -1,0 +1,221 @@
+"""One training loop for every stage, chosen by name.
+
+    # single process (CPU uses bf16 autocast + channels_last; CUDA the same code, bf16 autocast)
+    iws train stage1 --data data/tpushing --out runs/stage1
+    # several processes / GPUs: the same loop under DDP (gloo on CPU, NCCL on CUDA)
+    torchrun --nproc_per_node=2 -m iws_gym.train stage1 --data data/tpushing --out runs/stage1
+
+The loop, in order: learning rate -> periodic eval + checkpoint -> forward/backward -> clip -> step ->
+EMA -> log. Interrupt it at any time; rerunning the same command resumes from `OUT/last.pt`.
+Each stage provides: a model with `loss(batch, step) -> (loss, logs)`, a batch sampler, an evaluation
+and an export to a released safetensors file.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import atomic_torch_save, config_to_dict, save_release
+
+
+@dataclass
+class TrainArgs:
+    data: str = "data/tpushing"       # dataset directory written by `iws collect`
+    out: str = "runs/stage1"          # run directory: last.pt, TensorBoard logs, exported weights
+    steps: int = 20000                # optimizer steps
+    batch: int = 32                   # per process
+    lr: float = 1e-3
+    warmup: int = 500
+    weight_decay: float = 0.0
+    ema: float = 0.999                # evaluation EMA (not the consistency target)
+    clip: float = 1.0
+    eval_every: int = 1000
+    ckpt_every: int = 500
+    log_every: int = 50
+    seed: int = 0
+    max_episodes: int | None = None   # load only the first N episodes (quick runs)
+    max_minutes: float | None = None  # stop (after a checkpoint) once this much wall time is spent
+    device: str = "auto"
+    amp: bool = True                  # bf16 autocast (CPU AMX or CUDA)
+    crop: int = 0                     # stage 1: train on random aligned crops of this size (0: full frames)
+    preset: str = "default"           # model size preset of the stage: default | tiny (tests)
+    init: str | None = None           # stage 2/3: path of the stage-1 (and stage-2) release they build on
+
+
+def parse_args(argv, defaults: TrainArgs) -> TrainArgs:
+    p = argparse.ArgumentParser(prog="iws train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, f in TrainArgs.__dataclass_fields__.items():
+        d = getattr(defaults, name)
+        if isinstance(d, bool):
+            p.add_argument(f"--{name.replace('_', '-')}", default=d, action=argparse.BooleanOptionalAction)
+        else:
+            typ = {int: int, float: float}.get(type(d), str)
+            if name in ("max_episodes",):
+                typ = int
+            if name in ("max_minutes",):
+                typ = float
+            p.add_argument(f"--{name.replace('_', '-')}", type=typ, default=d)
+    return TrainArgs(**vars(p.parse_args(argv)))
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def update_ema(target: torch.nn.Module, source: torch.nn.Module, rate: float) -> None:
+    with torch.no_grad():
+        for t, s in zip(target.parameters(), source.parameters()):
+            t.lerp_(s, 1 - rate)
+        for t, s in zip(target.buffers(), source.buffers()):
+            t.copy_(s)
+
+
+def lr_at(step: int, a: TrainArgs) -> float:
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    progress = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def run(stage_name: str, a: TrainArgs) -> dict:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    from .stages import STAGES
+
+    # ---- DDP, inline (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
+    ddp = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = pick_device(a.device)
+    if ddp:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    else:
+        rank, world = 0, 1
+    master = rank == 0
+    torch.manual_seed(a.seed + rank)
+    rng = np.random.default_rng(a.seed + 1000 * rank)
+    out = Path(a.out)
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+
+    stage = STAGES[stage_name](a, device)
+    model = stage.model.to(device).to(memory_format=torch.channels_last)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.99))
+    step, wall_before = 0, 0.0
+    ckpt = out / "last.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state["stage"] != stage_name or state["model_config"] != config_to_dict(stage.config):
+            raise ValueError(f"{ckpt}: belongs to another run (stage {state['stage']!r} or a different model config); use a new --out")
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        step, wall_before = state["step"], state.get("wall_s", 0.0)
+        rng = np.random.default_rng([a.seed + 1000 * rank, step])
+        if master:
+            print(f"resumed {ckpt} at step {step}", file=sys.stderr)
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if a.amp else contextlib.nullcontext()
+    writer = SummaryWriter(str(out / "tb")) if master else None
+
+    def save():
+        if not master:
+            return
+        atomic_torch_save(dict(stage=stage_name, model_config=config_to_dict(stage.config), args=vars(a),
+                               model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(),
+                               step=step, wall_s=wall_before + time.time() - t0), ckpt)
+
+    def evaluate():
+        ema.eval()
+        with torch.no_grad(), amp:
+            metrics = stage.evaluate(ema)
+        ema.train()
+        for k, v in metrics.items():
+            writer.add_scalar(f"eval/{k}", v, step)
+        return metrics
+
+    t0 = time.time()
+    bar = tqdm(total=a.steps, initial=step, desc=f"train {stage_name}", disable=not master, dynamic_ncols=True)
+    metrics, logs = {}, {}
+    stopped_early = False
+    while step < a.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a)
+        if master and step > 0 and step % a.eval_every == 0:
+            metrics = evaluate()
+            bar.write(f"step {step}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+        if step > 0 and step % a.ckpt_every == 0:
+            save()
+            if a.max_minutes is not None and (time.time() - t0) / 60 > a.max_minutes:
+                stopped_early = True
+                break
+        batch = stage.sample_batch(rng, a.batch)
+        with amp:
+            loss, logs = net(batch, step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, a.clip)
+        opt.step()
+        update_ema(ema, model, min(a.ema, (1 + step) / (10 + step)))  # EMA warm-up: early evals mean something
+        stage.after_step(model, step)
+        step += 1
+        bar.update(1)
+        if master and step % a.log_every == 0:
+            for k, v in logs.items():
+                writer.add_scalar(f"train/{k}", v, step)
+            writer.add_scalar("train/grad_norm", float(gnorm), step)
+            writer.add_scalar("train/lr", lr_at(step, a), step)
+            bar.set_postfix({k: f"{v:.4g}" for k, v in list(logs.items())[:3]})
+    bar.close()
+    save()
+    result = {}
+    if master:
+        metrics = evaluate()
+        wall = wall_before + time.time() - t0
+        result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early)
+        stage.export(ema, out, result)
+        (out / "train_result.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        writer.close()
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def main(stage_name: str | None = None, argv=None):
+    from .stages import STAGES, default_args
+
+    if stage_name is None:  # python -m iws_gym.train STAGE ...
+        argv = sys.argv[1:] if argv is None else argv
+        if not argv or argv[0] not in STAGES:
+            raise SystemExit(f"usage: python -m iws_gym.train {{{','.join(STAGES)}}} [flags]")
+        stage_name, argv = argv[0], argv[1:]
+    a = parse_args(argv or [], default_args(stage_name))
+    return run(stage_name, a)
+
+
+if __name__ == "__main__":
+    main()
