@@ -285,3 +285,30 @@ def near_goal_state(rng: np.random.Generator) -> np.ndarray:
         agent = rng.uniform(60, 452, size=2)
         if np.linalg.norm(agent - block[:2]) > 130:
             return np.concatenate([agent, block])
+
+
+class Sweep(Behaviour):
+    """EVALUATION ONLY, never in the training mix: a lawnmower raster over the workspace at constant
+    speed, sweeping through the block wherever it lies. Used to test generalisation beyond the data."""
+
+    name = "sweep"
+
+    def __init__(self, rng):
+        super().__init__(rng)
+        self.speed = rng.uniform(15, 25)
+        lanes = np.linspace(60, 452, int(rng.integers(5, 9)))
+        if rng.random() < 0.5:
+            lanes = lanes[::-1]
+        vertical = rng.random() < 0.5
+        pts = []
+        for i, c in enumerate(lanes):
+            ends = (LO + 20, HI - 20) if i % 2 == 0 else (HI - 20, LO + 20)
+            pts += [(c, e) if vertical else (e, c) for e in ends]
+        self.waypoints = [np.array(p) for p in pts]
+        self.i = 0
+
+    def act(self, state):
+        wp = self.waypoints[self.i % len(self.waypoints)]
+        if self.target is not None and np.linalg.norm(self.target - wp) < 1:
+            self.i += 1
+        return self._move(state, wp, self.speed)

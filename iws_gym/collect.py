@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .behaviours import SEGMENT_MIX, near_goal_state, sample_episode_plan
+from .behaviours import SEGMENT_MIX, Sweep, near_goal_state, sample_episode_plan
 from .data import episode_path, write_episode, write_json_atomic
 from .groundtruth import get_state, make_env
 from .tasks import TaskConfig
@@ -30,12 +30,17 @@ def git_commit() -> str:
         return "unknown"
 
 
-def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None) -> dict:
-    """One episode of scripted play from seed `seed`. Returns the arrays of `data.ARRAYS` plus 'plan'."""
+def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None, plan=None) -> dict:
+    """One episode of scripted play from seed `seed`. Returns the arrays of `data.ARRAYS` plus 'plan'.
+
+    `plan` ([(name, behaviour, n_steps), ...]) overrides the sampled behaviour mix."""
     steps = steps or task.episode_steps
     env = env or make_env(task.frame_size)
     rng = np.random.default_rng(seed)
-    plan, near_goal = sample_episode_plan(rng, steps)
+    if plan is None:
+        plan, near_goal = sample_episode_plan(rng, steps)
+    else:
+        near_goal = False
     options = {"reset_to_state": near_goal_state(rng)} if near_goal else None
     obs, info = env.reset(seed=seed, options=options)
     frames, agent_pos, block_pose, coverage = [obs["pixels"]], [obs["agent_pos"]], [info["block_pose"]], [0.0]
@@ -51,7 +56,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             block_pose.append(info["block_pose"])
             coverage.append(info["coverage"])
             contacts.append(info["n_contacts"])
-            segments.append(SEGMENT_NAMES.index(name))
+            segments.append(SEGMENT_NAMES.index(name) if name in SEGMENT_NAMES else -1)
     return dict(
         frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
         block_pose=np.stack(block_pose), coverage=np.array(coverage), n_contacts=np.array(contacts),
@@ -59,13 +64,22 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     )
 
 
-def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, progress: bool = False):
-    """Held-out ground-truth episodes, generated on the fly from seeds disjoint from any training seed."""
+def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, progress: bool = False,
+                     behaviour: str = "mix"):
+    """Held-out ground-truth episodes, generated on the fly from seeds disjoint from any training seed.
+
+    behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy."""
     from tqdm import tqdm
 
+    if behaviour not in ("mix", "unseen"):
+        raise ValueError(f"behaviour must be 'mix' or 'unseen', got {behaviour!r}")
     env = make_env(task.frame_size)
-    for i in tqdm(range(n), desc="held-out episodes", disable=not progress):
-        yield collect_episode(task, task.heldout_seed_base + offset + i, steps, env)
+    for i in tqdm(range(n), desc=f"held-out episodes ({behaviour})", disable=not progress):
+        seed = task.heldout_seed_base + offset + i
+        if behaviour == "mix":
+            yield collect_episode(task, seed, steps, env)
+        else:
+            yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
 
 
 def check_out_dir(out: Path, resume: bool) -> set[int]:
@@ -76,13 +90,13 @@ def check_out_dir(out: Path, resume: bool) -> set[int]:
     existing = sorted(out.glob("ep_*.h5")) if out.is_dir() else []
     if out.is_dir() and any(out.iterdir()) and not resume:
         raise ValueError(f"output directory {out} is not empty; use a new directory, or --resume to complete an interrupted collection")
-    out.mkdir(parents=True, exist_ok=True)
     probe = out / ".write_test"
     try:
+        out.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"output directory {out} is not writable ({e.strerror})") from None
+        raise ValueError(f"output directory {out} cannot be created or written ({e.strerror})") from None
     for tmp in out.glob("*.h5.tmp"):  # half-written leftovers of an interrupted run
         tmp.unlink()
     return {int(p.stem.split("_")[1]) for p in existing}

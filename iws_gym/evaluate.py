@@ -1,0 +1,199 @@
+"""Measurements against the ground truth: pose-estimator validation, stage-1 reconstruction, and the
+open-loop fidelity harness (`iws eval fidelity`) with its two baselines.
+
+Fidelity protocol (the paper's): take a held-out episode's first frame and its action sequence, roll
+the model open loop for `horizon` steps, and compare every predicted frame with the ground truth. Every
+report carries two baselines so the numbers have a scale:
+
+* copy_first_frame: predict the first frame forever (what a model that ignores actions scores);
+* ground_truth_rerender: the true states re-rendered by gym-pusht's own renderer (the floor: PSNR is
+  exact, and the physical errors are the pose estimator's own noise).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import metrics
+from .collect import heldout_episodes
+from .groundtruth import make_env, wrap_angle
+from .pose import estimate, pose_errors
+from .tasks import TaskConfig
+
+POSE_KEYS = ("agent_px", "block_px", "block_rad", "coverage")
+
+
+def _summ(v: np.ndarray) -> dict:
+    v = np.asarray(v, dtype=np.float64)
+    ok = v[~np.isnan(v)]
+    if not len(ok):
+        return dict(mean=None, median=None, p90=None, n=0, missing=int(len(v)))
+    return dict(mean=float(ok.mean()), median=float(np.median(ok)), p90=float(np.percentile(ok, 90)),
+                n=int(len(ok)), missing=int(len(v) - len(ok)))
+
+
+def validate_pose_estimator(task: TaskConfig, episodes: int = 20, steps: int = 100, stride: int = 5) -> dict:
+    """Pose estimator error on held-out ground-truth frames against the true simulator state."""
+    from tqdm import tqdm
+
+    rows, signed, t_est = [], [], 0.0
+    for ep in tqdm(heldout_episodes(task, episodes, steps), total=episodes, desc="pose validation"):
+        for t in range(0, steps + 1, stride):
+            t0 = time.perf_counter()
+            est = estimate(ep["frames"][t])
+            t_est += time.perf_counter() - t0
+            rows.append(pose_errors(est, ep["agent_pos"][t], ep["block_pose"][t], ep["coverage"][t]))
+            if est.block is not None:
+                signed.append(np.r_[est.block[:2] - ep["block_pose"][t][:2], wrap_angle(est.block[2] - ep["block_pose"][t][2])])
+    signed = np.array(signed)
+    report = {k: _summ([r[k] for r in rows]) for k in POSE_KEYS}
+    report["block_bias"] = dict(x_px=float(signed[:, 0].mean()), y_px=float(signed[:, 1].mean()), rad=float(signed[:, 2].mean()))
+    report["frames"] = len(rows)
+    report["ms_per_frame"] = 1000 * t_est / max(len(rows), 1)
+    report["targets"] = dict(block_px_median_lt=3.0, block_rad_median_lt=0.05,
+                             met=bool(report["block_px"]["median"] < 3.0 and report["block_rad"]["median"] < 0.05))
+    report["command"] = f"iws eval pose --task {task.name} --episodes {episodes} --steps {steps}"
+    return report
+
+
+def rerender_states(agent_pos: np.ndarray, block_pose: np.ndarray, frame_size: int) -> np.ndarray:
+    """Render true states exactly (angle set before position, unlike reset_to_state's legacy order)."""
+    env = make_env(frame_size)
+    env.reset(seed=0)
+    out = []
+    for a, b in zip(agent_pos, block_pose):
+        env.agent.position = (float(a[0]), float(a[1]))
+        env.block.angle = float(b[2])
+        env.block.position = (float(b[0]), float(b[1]))
+        for body in (env.agent, env.block):  # refresh the shapes' cached world vertices without stepping physics
+            env.space.reindex_shapes_for_body(body)
+        out.append(env._render())
+    return np.stack(out)
+
+
+def frame_metrics(pred: np.ndarray, ep: dict) -> dict:
+    """Per-step metrics (arrays of length T+1) of predicted frames against a ground-truth episode."""
+    gt = ep["frames"][: len(pred)]
+    out = dict(mse=metrics.mse(pred, gt), psnr=metrics.psnr(pred, gt), ssim=metrics.ssim(pred, gt))
+    cache, rows = {}, []  # identical frames (the copy baseline) are estimated once
+    for t, f in enumerate(pred):
+        key = hash(f.tobytes())
+        if key not in cache:
+            cache[key] = estimate(f)
+        rows.append(pose_errors(cache[key], ep["agent_pos"][t], ep["block_pose"][t], ep["coverage"][t]))
+    for k in POSE_KEYS:
+        out[k] = np.array([r[k] for r in rows])
+    return out
+
+
+def _copy_first(ep, horizon):
+    return np.repeat(ep["frames"][:1], horizon + 1, axis=0)
+
+
+def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
+             behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None) -> dict:
+    """The fidelity report: per-step and summary metrics for the model and both baselines."""
+    from tqdm import tqdm
+
+    if horizon <= 0 or episodes <= 0:
+        raise ValueError(f"--horizon and --episodes must be > 0, got {horizon} and {episodes}")
+    predictors = {"copy_first_frame": _copy_first,
+                  "ground_truth_rerender": lambda ep, h: rerender_states(ep["agent_pos"][: h + 1], ep["block_pose"][: h + 1], task.frame_size)}
+    model_kind = None
+    if checkpoint is not None:
+        from .world_model import load_predictor
+
+        model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps)
+        predictors["model"] = predict
+    per = {name: {} for name in predictors}
+    timings = {name: 0.0 for name in predictors}
+    t_start = time.time()
+    for ep in tqdm(heldout_episodes(task, episodes, horizon, behaviour=behaviour), total=episodes, desc="fidelity"):
+        for name, fn in predictors.items():
+            t0 = time.perf_counter()
+            pred = fn(ep, horizon)
+            timings[name] += time.perf_counter() - t0
+            for k, v in frame_metrics(pred, ep).items():
+                per[name].setdefault(k, []).append(v)
+    report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
+                  checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
+                  heldout_seeds=[task.heldout_seed_base, task.heldout_seed_base + episodes - 1],
+                  not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
+                  per_step={}, summary={}, wall_s=None)
+    for name, d in per.items():
+        arr = {k: np.stack(v) for k, v in d.items()}  # (episodes, T+1)
+        report["per_step"][name] = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim")
+                                    else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
+        s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
+        for k in POSE_KEYS:
+            s[f"{k}_median"] = float(np.nanmedian(arr[k][:, 1:]))
+            s[f"{k}_missing_frac"] = float(np.isnan(arr[k][:, 1:]).mean())
+            for t in (32, 64, 192):
+                if t <= horizon:
+                    s[f"{k}_median@{t}"] = float(np.nanmedian(arr[k][:, t]))
+        s["seconds_per_episode"] = timings[name] / episodes
+        report["summary"][name] = s
+    report["wall_s"] = round(time.time() - t_start, 1)
+    if plot is not None:
+        plot_per_step(report, plot)
+    return report
+
+
+def plot_per_step(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["psnr", "ssim", "agent_px", "block_px", "block_rad", "coverage"]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, k in zip(axes.ravel(), keys):
+        for name, d in report["per_step"].items():
+            ax.plot(d[k], label=name)
+        ax.set_title(k + (" (mean)" if k in ("psnr", "ssim") else " error (median)"))
+        ax.set_xlabel("step")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"open-loop fidelity, {report['episodes']} held-out episodes ({report['behaviour']})")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, steps_list=(1, 2, 4)) -> dict:
+    """Stage-1 quality on held-out frames: PSNR/SSIM per decoder step count, pose error of the
+    reconstruction against the pose read from the original, and encode+decode latency at batch 1."""
+    import torch
+
+    from .world_model import WorldModel
+
+    wm = WorldModel.from_pretrained(checkpoint, stages=("stage1",))
+    n_eps = max(1, frames // 32)
+    eps = list(heldout_episodes(task, n_eps, 64))
+    x = np.concatenate([e["frames"][::2][:32] for e in eps])[:frames]
+    report = dict(task=task.name, checkpoint=str(wm.path), frames=len(x), device=str(wm.device), by_steps={})
+    gt_est = [estimate(f) for f in x]
+    for steps in steps_list:
+        rec = wm.reconstruct(x, steps=steps, seed=0)
+        errs = [pose_errors(estimate(r), g.agent, g.block, g.coverage) if g.block is not None else None
+                for r, g in zip(rec, gt_est)]
+        errs = [e for e in errs if e is not None]
+        report["by_steps"][steps] = dict(
+            psnr=float(metrics.psnr(rec, x).mean()), ssim=float(metrics.ssim(rec, x).mean()),
+            **{f"{k}_median_vs_original": float(np.nanmedian([e[k] for e in errs])) for k in POSE_KEYS})
+        # latency at batch 1, one frame at a time as the env does it
+        one = x[:1]
+        for _ in range(5):
+            wm.reconstruct(one, steps=steps)
+        ts = []
+        for i in range(50):
+            t0 = time.perf_counter()
+            wm.reconstruct(x[i : i + 1], steps=steps)
+            ts.append(time.perf_counter() - t0)
+        report["by_steps"][steps]["encode_decode_ms_p50"] = 1000 * float(np.median(ts))
+        report["by_steps"][steps]["encode_decode_ms_p95"] = 1000 * float(np.percentile(ts, 95))
+    report["torch_threads"] = torch.get_num_threads()
+    report["command"] = f"iws eval recon --task {task.name} --checkpoint {checkpoint} --frames {frames} --steps {' '.join(map(str, steps_list))}"
+    return report

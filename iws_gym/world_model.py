@@ -1,0 +1,85 @@
+"""The world model as users load it: the frozen stages bundled, with batched encode / decode / predict.
+
+    wm = WorldModel.from_pretrained("checkpoints/tpushing")   # or a run directory
+    z = wm.encode(frames_uint8)                             # (B, H, W, 3) uint8 -> (B, C, h, w)
+    frames = wm.decode(z, steps=1)                          # -> (B, H, W, 3) uint8
+
+Device "auto" picks CUDA when present, else the CPU; both run the networks in bf16 (AMX on CPUs that
+have it) with channels_last, and keep the consistency parameterisation in fp32.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import load_release, load_state_checked
+from .decoder import Stage1, Stage1Config, decode
+from .stages import frames_to_tensor, tensor_to_frames
+
+STAGE_FILES = {"stage1": "stage1.safetensors"}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class WorldModel:
+    def __init__(self, stage1: Stage1, device: torch.device, path: Path | None = None, meta: dict | None = None,
+                 dtype=torch.bfloat16, decoder_steps: int = 1):
+        self.device, self.path, self.meta, self.dtype = device, path, meta or {}, dtype
+        self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
+        self.frame_size = stage1.cfg.encoder.frame_size
+        self.decoder_steps = decoder_steps
+
+    @classmethod
+    def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype=torch.bfloat16) -> "WorldModel":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        f1 = path / STAGE_FILES["stage1"]
+        cfg, sd, meta = load_release(f1, "stage1", Stage1Config)
+        model = Stage1(cfg)
+        load_state_checked(model, sd, f1)
+        return cls(model, resolve_device(device), path, {"stage1": meta}, dtype=dtype)
+
+    def _check_frames(self, frames: np.ndarray):
+        s = self.frame_size
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[1:] != (s, s, 3):
+            shape = getattr(frames, "shape", None)
+            dtype = getattr(frames, "dtype", type(frames).__name__)
+            raise ValueError(f"expected frames of shape (B, {s}, {s}, 3) dtype uint8 RGB, got shape {shape} dtype {dtype}")
+
+    @torch.inference_mode()
+    def encode(self, frames: np.ndarray) -> torch.Tensor:
+        self._check_frames(frames)
+        return self.stage1.encoder(frames_to_tensor(frames, self.device))
+
+    @torch.inference_mode()
+    def decode(self, z: torch.Tensor, steps: int | None = None, seed: int | None = None,
+               generator: torch.Generator | None = None) -> np.ndarray:
+        if generator is None and seed is not None:
+            generator = torch.Generator().manual_seed(seed)
+        x = decode(self.stage1.decoder, z, steps or self.decoder_steps, generator=generator)
+        return tensor_to_frames(x)
+
+    def reconstruct(self, frames: np.ndarray, steps: int | None = None, seed: int | None = None,
+                    batch: int = 64) -> np.ndarray:
+        out = [self.decode(self.encode(frames[i : i + batch]), steps, seed) for i in range(0, len(frames), batch)]
+        return np.concatenate(out)
+
+
+def load_predictor(checkpoint, decoder_steps: int | None = None):
+    """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
+
+    With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
+    decoded (teacher-forced, not a rollout); the report labels it so."""
+    wm = WorldModel.from_pretrained(checkpoint)
+
+    def autoencode(ep, horizon):
+        return wm.reconstruct(ep["frames"][: horizon + 1], steps=decoder_steps, seed=0)
+
+    return "stage1_autoencoder_ceiling", autoencode

@@ -1,0 +1,34 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_iws(*args, check=True, env=None):
+    """Run the real `iws` CLI in a subprocess (as users do)."""
+    proc = subprocess.run([sys.executable, "-m", "iws_gym.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"iws {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    run_iws("collect", "--episodes", 3, "--steps", 24, "--out", out, "--seed", 7)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_stage1(tiny_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "stage1"
+    run_iws("train", "stage1", "--data", tiny_dataset, "--out", out, "--steps", 12, "--batch", 4, "--preset", "tiny",
+            "--crop", 64, "--eval-every", 100, "--ckpt-every", 6, "--log-every", 2, "--warmup", 2)
+    return out

@@ -1,0 +1,147 @@
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from iws_gym.collect import collect, collect_episode, heldout_episodes
+from iws_gym.data import (DatasetError, InMemoryEpisodes, episode_path, list_episodes, load_meta, read_episode,
+                          write_episode)
+from iws_gym.tasks import load_task
+
+from .conftest import run_iws
+
+TASK = load_task("tpushing")
+
+
+def test_dataset_layout(tiny_dataset):
+    meta = load_meta(tiny_dataset)
+    assert meta["episodes"] == 3 and meta["seed"] == 7 and meta["gym_pusht_version"] == "0.1.8"
+    paths = list_episodes(tiny_dataset)
+    assert [p.name for p in paths] == ["ep_000000.h5", "ep_000001.h5", "ep_000002.h5"]
+    ep = read_episode(paths[0])
+    assert ep["frames"].shape == (25, 128, 128, 3) and ep["frames"].dtype == np.uint8
+    assert ep["actions"].shape == (24, 2) and ep["agent_pos"].shape == (25, 2)
+    assert ep["block_pose"].shape == (25, 3) and ep["coverage"].shape == (25,)
+    assert np.all((ep["actions"] >= 0) & (ep["actions"] <= 512))
+    assert ep["attrs"]["seed"] == 7
+
+
+def test_collection_is_deterministic(tiny_dataset):
+    again = collect_episode(TASK, 7, steps=24)
+    stored = read_episode(episode_path(tiny_dataset, 0))
+    for k in ("frames", "actions", "agent_pos", "block_pose"):
+        np.testing.assert_array_equal(again[k].astype(stored[k].dtype), stored[k])
+
+
+def test_actions_drive_the_agent(tiny_dataset):
+    """actions[t] is the target applied between frames[t] and frames[t+1]: the agent moves toward it."""
+    ep = read_episode(episode_path(tiny_dataset, 1))
+    before = np.linalg.norm(ep["actions"] - ep["agent_pos"][:-1], axis=1)
+    after = np.linalg.norm(ep["actions"] - ep["agent_pos"][1:], axis=1)
+    moving = before > 5
+    assert np.mean(after[moving] < before[moving]) > 0.9
+
+
+def test_heldout_seeds_are_disjoint_and_on_the_fly():
+    ep = next(heldout_episodes(TASK, 1, 5))
+    assert ep["frames"].shape[0] == 6
+    with pytest.raises(ValueError, match="held-out"):
+        collect(TASK, 2, "/tmp/never-written", seed=TASK.heldout_seed_base - 1, progress=False)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--task", "nope", "--episodes", 1], "unknown task 'nope'"),
+    (["--episodes", 0], "--episodes must be > 0"),
+    (["--episodes", -3], "--episodes must be > 0"),
+])
+def test_collect_bad_input(tmp_path, args, msg):
+    proc = run_iws("collect", *args, "--out", tmp_path / "x", check=False)
+    assert proc.returncode == 2 and msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_collect_refuses_non_empty_dir_and_keeps_its_files(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    proc = run_iws("collect", "--episodes", 1, "--steps", 3, "--out", tmp_path, check=False)
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+    assert (tmp_path / "keep.txt").read_text() == "precious" and not list(tmp_path.glob("ep_*"))
+
+
+def test_collect_refuses_unwritable_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")  # a directory cannot be created below a file, even as root
+    proc = run_iws("collect", "--episodes", 1, "--out", blocker / "sub", check=False)
+    assert proc.returncode == 2 and "cannot be created or written" in proc.stderr
+    assert blocker.read_text() == "x"
+
+
+def test_interrupted_collection_resumes_without_touching_finished_episodes(tmp_path):
+    out = tmp_path / "c"
+    collect(TASK, 2, out, seed=3, steps=4, progress=False)
+    first = episode_path(out, 0)
+    stamp = first.stat().st_mtime_ns
+    episode_path(out, 1).unlink()                               # episode 1 never finished ...
+    (out / "ep_000001.h5.tmp").write_bytes(b"half-written")     # ... and left a partial temp file
+    (out / "dataset.json").unlink()
+    assert [p.name for p in list_episodes(out)] == ["ep_000000.h5"]  # readers ignore the temp file
+    meta = collect(TASK, 2, out, seed=3, steps=4, resume=True, progress=False)
+    assert first.stat().st_mtime_ns == stamp and meta["episodes"] == 2
+    assert not list(out.glob("*.tmp")) and len(list_episodes(out)) == 2
+    np.testing.assert_array_equal(read_episode(episode_path(out, 1))["frames"], collect_episode(TASK, 4, 4)["frames"])
+
+
+def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "ep_000000.h5"
+    ep = {k: v for k, v in collect_episode(TASK, 1, 3).items() if k != "plan"}
+    write_episode(path, ep, {"seed": 1})
+    before = path.read_bytes()
+    bad = dict(ep, frames=ep["frames"][:2])  # wrong length: refused before anything is written
+    with pytest.raises(ValueError, match="frames"):
+        write_episode(path, bad, {"seed": 1})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(h5py.Group, "create_dataset", boom)
+    with pytest.raises(OSError):
+        write_episode(path, ep, {"seed": 2})
+    assert path.read_bytes() == before
+
+
+def test_truncated_and_corrupt_files_are_named(tmp_path, tiny_dataset):
+    data = episode_path(tiny_dataset, 0).read_bytes()
+    trunc = tmp_path / "ep_000000.h5"
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DatasetError, match="ep_000000.h5"):
+        read_episode(trunc)
+    junk = tmp_path / "ep_000001.h5"
+    junk.write_bytes(b"not hdf5 at all")
+    with pytest.raises(DatasetError, match="corrupt or truncated"):
+        read_episode(junk)
+    with pytest.raises(DatasetError, match="dataset.json"):
+        load_meta(tmp_path)
+
+
+def test_loader_windows_match_episodes(tiny_dataset):
+    eps = InMemoryEpisodes.load(tiny_dataset, progress=False)
+    rng = np.random.default_rng(0)
+    fr, ac = eps.sample_windows(rng, 8, context=4)
+    assert fr.shape == (8, 5, 128, 128, 3) and ac.shape == (8, 4, 2)
+    # every window is a contiguous slice of one episode, frames and actions aligned
+    for f, a in zip(fr, ac):
+        hit = False
+        for E, A in zip(eps.frames, eps.actions):
+            for s in range(len(A) - 3):
+                if np.array_equal(E[s], f[0]) and np.array_equal(A[s : s + 4], a) and np.array_equal(E[s : s + 5], f):
+                    hit = True
+        assert hit
+
+
+def test_data_stats_command(tiny_dataset, tmp_path):
+    run_iws("data-stats", "--data", tiny_dataset, "--json", tmp_path / "s.json", "--plot", tmp_path / "s.png", "--loader-batches", 3)
+    import json
+
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["episodes"] == 3 and abs(sum(s["behaviour_mix"].values()) - 1) < 1e-3
+    assert 0 <= s["contact_step_fraction"] <= 1 and s["loader"]["frames_per_s"] > 0
+    assert (tmp_path / "s.png").stat().st_size > 1000

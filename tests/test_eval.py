@@ -1,0 +1,52 @@
+import json
+
+import numpy as np
+
+from iws_gym.collect import heldout_episodes
+from iws_gym.evaluate import frame_metrics, rerender_states
+from iws_gym.tasks import load_task
+
+from .conftest import run_iws
+
+
+def test_rerender_reproduces_ground_truth():
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 6))
+    m = frame_metrics(rerender_states(ep["agent_pos"], ep["block_pose"], 128), ep)
+    assert np.all(m["psnr"] > 40) and np.all(m["ssim"] > 0.99)
+
+
+def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
+    out = tmp_path / "fid.json"
+    run_iws("eval", "fidelity", "--checkpoint", tiny_stage1, "--horizon", 4, "--episodes", 1, "--json", out,
+            "--plot", tmp_path / "fid.png")
+    r = json.loads(out.read_text())
+    assert set(r["summary"]) == {"copy_first_frame", "ground_truth_rerender", "model"}
+    assert r["model_kind"] == "stage1_autoencoder_ceiling" and "LPIPS" in r["not_reported"]
+    for name, s in r["summary"].items():
+        assert {"psnr", "ssim", "mse", "agent_px_median", "block_px_median", "block_rad_median", "coverage_median"} <= set(s)
+        assert len(r["per_step"][name]["psnr"]) == 5
+    # the floor must beat the copy baseline on every frame metric
+    gt, copy = r["summary"]["ground_truth_rerender"], r["summary"]["copy_first_frame"]
+    assert gt["psnr"] > copy["psnr"] and gt["ssim"] >= copy["ssim"]
+    assert (tmp_path / "fid.png").stat().st_size > 1000
+
+
+def test_fidelity_unseen_behaviour_baselines_only(tmp_path):
+    out = tmp_path / "f.json"
+    run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 1, "--behaviour", "unseen", "--json", out)
+    r = json.loads(out.read_text())
+    assert r["behaviour"] == "unseen" and "model" not in r["summary"]
+
+
+def test_fidelity_bad_input(tmp_path):
+    proc = run_iws("eval", "fidelity", "--horizon", 0, "--episodes", 1, check=False)
+    assert proc.returncode == 2 and "--horizon" in proc.stderr
+    proc = run_iws("eval", "fidelity", "--checkpoint", tmp_path / "missing", "--horizon", 2, "--episodes", 1, check=False)
+    assert proc.returncode == 2 and "missing" in proc.stderr
+
+
+def test_pose_command(tmp_path):
+    out = tmp_path / "pose.json"
+    run_iws("eval", "pose", "--episodes", 1, "--steps", 10, "--json", out)
+    r = json.loads(out.read_text())
+    assert r["frames"] == 3 and r["block_px"]["median"] < 5 and "block_bias" in r

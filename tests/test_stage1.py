@@ -1,0 +1,100 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from iws_gym.checkpoint import load_release, save_release
+from iws_gym.decoder import ConsistencyDecoder, DecoderConfig, Stage1Config, decode
+from iws_gym.world_model import WorldModel
+
+from .conftest import ROOT, run_iws
+
+
+def test_training_writes_release_with_config(tiny_stage1):
+    result = json.loads((tiny_stage1 / "train_result.json").read_text())
+    assert result["step"] == 12 and "psnr_1step" in result["eval"]
+    cfg, sd, meta = load_release(tiny_stage1 / "stage1.safetensors", "stage1", Stage1Config)
+    assert cfg.decoder.ch == 16 and meta["data_seed"] == 7 and meta["step"] == 12 and "commit" in meta
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+    assert list((tiny_stage1 / "tb").iterdir()), "TensorBoard logs missing"
+
+
+def test_world_model_roundtrip_and_steps(tiny_stage1, tiny_dataset):
+    from iws_gym.data import episode_path, read_episode
+
+    wm = WorldModel.from_pretrained(tiny_stage1, device="cpu")
+    frames = read_episode(episode_path(tiny_dataset, 0))["frames"][:3]
+    z = wm.encode(frames)
+    assert z.shape == (3, 8, 16, 16) and torch.all(z.abs() <= 1)
+    for steps in (1, 2, 4):
+        out = wm.decode(z, steps=steps, seed=0)
+        assert out.shape == frames.shape and out.dtype == np.uint8
+    np.testing.assert_array_equal(wm.decode(z, steps=2, seed=1), wm.decode(z, steps=2, seed=1))
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (np.zeros((1, 64, 64, 3), np.uint8), r"\(B, 128, 128, 3\)"),
+    (np.zeros((1, 128, 128, 3), np.float32), "uint8"),
+    (np.zeros((1, 128, 128, 4), np.uint8), "RGB"),
+    (np.zeros((128, 128, 3), np.uint8), "shape"),
+])
+def test_encode_rejects_bad_frames(tiny_stage1, bad, msg):
+    wm = WorldModel.from_pretrained(tiny_stage1, device="cpu")
+    with pytest.raises(ValueError, match=msg):
+        wm.encode(bad)
+
+
+def test_truncated_or_mismatched_checkpoint_is_named(tiny_stage1, tmp_path):
+    data = (tiny_stage1 / "stage1.safetensors").read_bytes()
+    (tmp_path / "stage1.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match="stage1.safetensors.*(truncated|corrupt)"):
+        WorldModel.from_pretrained(tmp_path)
+    # weights of another architecture under the right name
+    other = ConsistencyDecoder(DecoderConfig(ch=16, z_ch=32, z_blocks=1, trunk_blocks=1, emb_dim=32))
+    save_release(tmp_path / "stage1.safetensors", other.state_dict(), "stage1", Stage1Config())
+    with pytest.raises(ValueError, match="do not match"):
+        WorldModel.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        WorldModel.from_pretrained(tmp_path / "nope")
+
+
+def test_sampler_counts_denoiser_calls():
+    calls = []
+    dec = ConsistencyDecoder(DecoderConfig(ch=16, z_ch=16, z_blocks=1, trunk_blocks=1, emb_dim=16)).eval()
+    orig = dec.forward
+    dec.forward = lambda *a: calls.append(1) or orig(*a)
+    z = torch.zeros(2, 8, 16, 16)
+    for steps in (1, 2, 4):
+        calls.clear()
+        x = decode(dec, z, steps, generator=torch.Generator().manual_seed(0))
+        assert len(calls) == steps and x.shape == (2, 3, 128, 128) and x.abs().max() <= 1
+
+
+def test_resume_after_interruption(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "stage1", "--data", tiny_dataset, "--out", out, "--steps", 8, "--batch", 2, "--preset", "tiny",
+            "--crop", 32, "--eval-every", 100, "--ckpt-every", 4, "--warmup", 1]
+    run_iws(*args, "--max-minutes", 0)  # stops at the first checkpoint, like a killed run
+    first = json.loads((out / "train_result.json").read_text())
+    assert first["step"] == 4 and first["finished"] is False
+    proc = run_iws(*args)
+    assert "resumed" in proc.stderr and json.loads((out / "train_result.json").read_text())["step"] == 8
+    # a different model config must not silently resume into the same directory
+    bad = run_iws("train", "stage1", "--data", tiny_dataset, "--out", out, "--steps", 8, "--batch", 2, check=False)
+    assert bad.returncode == 2 and "another run" in bad.stderr
+
+
+def test_torchrun_ddp_two_cpu_processes(tiny_dataset, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "iws_gym.train",
+           "stage1", "--data", str(tiny_dataset), "--out", str(out), "--steps", 4, "--batch", 2, "--preset", "tiny",
+           "--crop", 32, "--eval-every", 100, "--ckpt-every", 100, "--warmup", 1]
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "train_result.json").read_text())["step"] == 4
+    assert (out / "stage1.safetensors").is_file()
