@@ -32,6 +32,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class Stage1Stage:
     name = "stage1"
+    channels_last = True
 
     def __init__(self, a, device):
         from .decoder import Stage1, Stage1Config
@@ -43,7 +44,7 @@ class Stage1Stage:
         cfg = Stage1Config(total_steps=a.steps)
         if a.preset == "tiny":
             cfg.encoder = dataclasses.replace(cfg.encoder, ch=(16, 32), blocks=(1, 1))
-            cfg.decoder = dataclasses.replace(cfg.decoder, z_ch=32, z_blocks=1, ch=16, trunk_blocks=1, emb_dim=32)
+            cfg.decoder = dataclasses.replace(cfg.decoder, z_ch=32, z_blocks=1, ch=16, z_blocks32=1, trunk_blocks=1, emb_dim=32)
         self.config = cfg
         self.model = Stage1(cfg)
         # A fixed held-out evaluation batch: frames from held-out seeds, never in training.
@@ -80,12 +81,113 @@ class Stage1Stage:
         save_release(out / "stage1.safetensors", ema.state_dict(), "stage1", self.config, extra)
 
 
-STAGES = {"stage1": Stage1Stage}
+def find_release(path, name: str):
+    """A stage release file: `path` itself, or `path/<name>.safetensors` for a run or checkpoint directory."""
+    from pathlib import Path
+
+    p = Path(path)
+    return p / f"{name}.safetensors" if p.is_dir() else p
+
+
+class LatentEpisodes:
+    """Every frame of a dataset encoded once by the frozen stage-1 encoder, kept in RAM as fp16."""
+
+    def __init__(self, episodes: InMemoryEpisodes, encoder, device, batch: int = 256, amp: bool = True):
+        from tqdm import tqdm
+
+        self.latents, self.actions = [], episodes.actions
+        for fr in tqdm(episodes.frames, desc="encoding latents", unit="ep"):
+            zs = []
+            for i in range(0, len(fr), batch):
+                with torch.inference_mode(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
+                    z = encoder(frames_to_tensor(fr[i : i + batch], device))
+                zs.append(z.float().half().cpu())
+            self.latents.append(torch.cat(zs))
+        allz = torch.cat(self.latents[: min(len(self.latents), 100)]).float()
+        self.z_mean, self.z_std = float(allz.mean()), float(allz.std())
+
+    def sample(self, rng, batch: int, K: int):
+        """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame."""
+        ctx, act, tgt, nv = [], [], [], []
+        for e in rng.integers(0, len(self.latents), batch):
+            Z, A = self.latents[e], self.actions[e]
+            t = int(rng.integers(0, len(A)))            # predict Z[t+1] from frames <= t
+            n_valid = min(int(rng.integers(1, K + 1)), t + 1)
+            idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
+            ctx.append(Z[idx])
+            a = A[idx].copy()
+            a[: K - n_valid] = 0.0
+            act.append(a)
+            tgt.append(Z[t + 1])
+            nv.append(n_valid)
+        return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
+
+
+class Stage2Stage:
+    """Latent dynamics on top of a frozen stage-1 release (`--init`)."""
+
+    name = "stage2"
+    channels_last = False  # 5D activations (B, C, T, h, w)
+
+    def __init__(self, a, device):
+        from .checkpoint import load_release, load_state_checked
+        from .decoder import Stage1, Stage1Config
+        from .dynamics import DynamicsConfig, Stage2
+
+        self.a, self.device = a, device
+        self.meta = load_meta(a.data)
+        self.task = load_task(self.meta["task"])
+        f1 = find_release(a.init or self.task.checkpoint_path, "stage1")
+        cfg1, sd1, self.stage1_meta = load_release(f1, "stage1", Stage1Config)
+        self.stage1 = Stage1(cfg1)
+        load_state_checked(self.stage1, sd1, f1)
+        self.stage1 = self.stage1.to(device).eval().requires_grad_(False)
+        self.stage1_file = str(f1)
+        eps = InMemoryEpisodes.load(a.data, a.max_episodes)
+        self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp)
+        cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
+                             z_mean=self.data.z_mean, z_std=self.data.z_std)
+        if a.preset == "tiny":
+            cfg = dataclasses.replace(cfg, ch=16, blocks=1, heads=2, emb_dim=16, context=2)
+        self.config = cfg
+        self.model = Stage2(cfg)
+        self.model.total_steps = a.steps
+        # held-out windows for evaluation (encoded with the same frozen encoder)
+        held_eps = list(heldout_episodes(self.task, 4, 48))
+        held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])
+        self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
+        self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
+
+    def sample_batch(self, rng, batch):
+        return tuple(t.to(self.device) for t in self.data.sample(rng, batch, self.config.context))
+
+    def after_step(self, model, step):
+        pass
+
+    def evaluate(self, ema) -> dict:
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_batch)
+        out = {}
+        for steps in (1, 2):
+            pred = ema.predict(ctx, act, nv, steps=steps, generator=torch.Generator().manual_seed(0))
+            out[f"latent_mse_{steps}step"] = (pred - tgt).pow(2).mean().item()
+        out["latent_mse_copy_last"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+        return out
+
+    def export(self, ema, out, result):
+        extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
+                     stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
+                     task=self.task.name)
+        save_release(out / "stage2.safetensors", ema.state_dict(), "stage2", self.config, extra)
+
+
+STAGES = {"stage1": Stage1Stage, "stage2": Stage2Stage}
 
 
 def default_args(stage: str):
     from .train import TrainArgs
 
     if stage == "stage1":
-        return TrainArgs(out="runs/stage1", steps=40000, batch=32, lr=1e-3, crop=64)
+        return TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3, crop=64)
+    if stage == "stage2":
+        return TrainArgs(out="runs/stage2", steps=20000, batch=32, lr=5e-4)
     raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES)}")

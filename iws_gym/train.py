@@ -119,7 +119,9 @@ def run(stage_name: str, a: TrainArgs) -> dict:
         out.mkdir(parents=True, exist_ok=True)
 
     stage = STAGES[stage_name](a, device)
-    model = stage.model.to(device).to(memory_format=torch.channels_last)
+    model = stage.model.to(device)
+    if stage.channels_last:  # 2D conv nets: channels_last is what makes AMX / tensor-core convs fast
+        model = model.to(memory_format=torch.channels_last)
     ema = copy.deepcopy(model).requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, betas=(0.9, 0.99))

@@ -18,7 +18,7 @@ from .checkpoint import load_release, load_state_checked
 from .decoder import Stage1, Stage1Config, decode
 from .stages import frames_to_tensor, tensor_to_frames
 
-STAGE_FILES = {"stage1": "stage1.safetensors"}
+STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors"}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -29,9 +29,11 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 class WorldModel:
     def __init__(self, stage1: Stage1, device: torch.device, path: Path | None = None, meta: dict | None = None,
-                 dtype=torch.bfloat16, decoder_steps: int = 1):
+                 dtype=torch.bfloat16, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1):
         self.device, self.path, self.meta, self.dtype = device, path, meta or {}, dtype
         self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
+        self.stage2 = stage2.to(device).eval().requires_grad_(False).to(dtype) if stage2 is not None else None
+        self.dynamics_steps = dynamics_steps
         self.frame_size = stage1.cfg.encoder.frame_size
         self.decoder_steps = decoder_steps
 
@@ -44,7 +46,19 @@ class WorldModel:
         cfg, sd, meta = load_release(f1, "stage1", Stage1Config)
         model = Stage1(cfg)
         load_state_checked(model, sd, f1)
-        return cls(model, resolve_device(device), path, {"stage1": meta}, dtype=dtype)
+        metas, stage2 = {"stage1": meta}, None
+        if "stage2" in stages:
+            from .dynamics import DynamicsConfig, Stage2
+
+            f2 = path / STAGE_FILES["stage2"]
+            cfg2, sd2, metas["stage2"] = load_release(f2, "stage2", DynamicsConfig)
+            stage2 = Stage2(cfg2)
+            load_state_checked(stage2, sd2, f2)
+        return cls(model, resolve_device(device), path, metas, dtype=dtype, stage2=stage2)
+
+    @staticmethod
+    def has_stage(path, stage: str) -> bool:
+        return (Path(path) / STAGE_FILES[stage]).is_file()
 
     def _check_frames(self, frames: np.ndarray):
         s = self.frame_size
@@ -72,11 +86,42 @@ class WorldModel:
         return np.concatenate(out)
 
 
+    @torch.inference_mode()
+    def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None) -> np.ndarray:
+        """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8.
+
+        The context window starts with the single real latent (short history, padded) and slides
+        forward, dropping the oldest latent, so the cost per step does not grow with the horizon."""
+        if self.stage2 is None:
+            raise ValueError(f"{self.path}: no stage2.safetensors, cannot roll out dynamics")
+        K = self.stage2.cfg.context
+        gen = torch.Generator().manual_seed(seed)
+        z0 = self.encode(first_frame[None])                       # (1, C, h, w)
+        ctx = z0[:, None].repeat(1, K, 1, 1, 1)                    # (1, K, C, h, w), slots before the start are padding
+        acts = torch.zeros(1, K, 2, device=self.device)
+        n_valid = torch.ones(1, dtype=torch.long, device=self.device)
+        frames = [first_frame]
+        for a in np.asarray(actions, dtype=np.float32):
+            acts = torch.cat([acts[:, 1:], torch.from_numpy(a).to(self.device)[None, None]], dim=1)
+            z = self.stage2.predict(ctx, acts, n_valid, steps=steps or self.dynamics_steps, generator=gen)
+            ctx = torch.cat([ctx[:, 1:], z[:, None]], dim=1)       # roll the window
+            n_valid = (n_valid + 1).clamp(max=K)
+            frames.append(self.decode(z, seed=None, generator=gen)[0])
+        return np.stack(frames)
+
+
 def load_predictor(checkpoint, decoder_steps: int | None = None):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
     decoded (teacher-forced, not a rollout); the report labels it so."""
+    if WorldModel.has_stage(checkpoint, "stage2"):
+        wm = WorldModel.from_pretrained(checkpoint, stages=("stage1", "stage2"))
+
+        def roll(ep, horizon):
+            return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)
+
+        return "open_loop_rollout", roll
     wm = WorldModel.from_pretrained(checkpoint)
 
     def autoencode(ep, horizon):
