@@ -53,6 +53,12 @@ def cmd_train(a):
     train_main(a.stage, a.rest)
 
 
+def cmd_release(a):
+    from .release import release
+
+    _emit(release(Path(a.run), a.stage, Path(a.dest), [Path(r) for r in a.report], a.command), None)
+
+
 def _emit(report: dict, path: str | None, summary_only: bool = False):
     from .data import write_json_atomic
 
@@ -115,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="decoder step counts to report")
     er.add_argument("--json", default=None)
     er.set_defaults(fn=cmd_eval_recon)
+    r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
+    r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json")
+    r.add_argument("--stage", required=True, choices=["stage1", "stage2", "stage3"])
+    r.add_argument("--dest", default="checkpoints/tpushing")
+    r.add_argument("--report", nargs="*", default=[], help="JSON reports measured on these weights")
+    r.add_argument("--command", default=None, help="the exact training command, if train_result.json lacks it")
+    r.set_defaults(fn=cmd_release)
     return p
 
 

@@ -182,7 +182,7 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
         errs = [e for e in errs if e is not None]
         report["by_steps"][steps] = dict(
             psnr=float(metrics.psnr(rec, x).mean()), ssim=float(metrics.ssim(rec, x).mean()),
-            **{f"{k}_median_vs_original": float(np.nanmedian([e[k] for e in errs])) for k in POSE_KEYS})
+            **{f"{k}_median_vs_original": _summ([e[k] for e in errs])["median"] for k in POSE_KEYS})
         # latency at batch 1, one frame at a time as the env does it
         one = x[:1]
         for _ in range(5):
@@ -190,7 +190,8 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
         ts = []
         for i in range(50):
             t0 = time.perf_counter()
-            wm.reconstruct(x[i : i + 1], steps=steps)
+            j = i % len(x)
+            wm.reconstruct(x[j : j + 1], steps=steps)
             ts.append(time.perf_counter() - t0)
         report["by_steps"][steps]["encode_decode_ms_p50"] = 1000 * float(np.median(ts))
         report["by_steps"][steps]["encode_decode_ms_p95"] = 1000 * float(np.percentile(ts, 95))

@@ -29,22 +29,30 @@ def psnr(a: np.ndarray, b: np.ndarray, max_db: float = 100.0) -> np.ndarray:
         return np.minimum(-10 * np.log10(np.maximum(m, 0)), max_db)
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+def _gaussian_1d(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
     g = torch.exp(-((torch.arange(size, dtype=torch.float64) - size // 2) ** 2) / (2 * sigma**2))
-    g = g / g.sum()
-    return (g[:, None] * g[None, :])[None, None]  # (1, 1, size, size)
+    return g / g.sum()
 
 
-def ssim(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _blur(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Separable Gaussian filter, valid region: (N, 1, H, W) -> (N, 1, H-10, W-10)."""
+    x = F.conv2d(x, g.view(1, 1, -1, 1))
+    return F.conv2d(x, g.view(1, 1, 1, -1))
+
+
+def ssim(a: np.ndarray, b: np.ndarray, chunk: int = 64) -> np.ndarray:
     """Per-frame SSIM in [-1, 1] (1 for identical frames)."""
-    x, y = _to_float(a), _to_float(b)
-    N, C, H, W = x.shape
-    w = _gaussian_window().to(x)
-    x, y = x.reshape(N * C, 1, H, W), y.reshape(N * C, 1, H, W)
-    mu_x, mu_y = F.conv2d(x, w), F.conv2d(y, w)
-    sxx = F.conv2d(x * x, w) - mu_x**2
-    syy = F.conv2d(y * y, w) - mu_y**2
-    sxy = F.conv2d(x * y, w) - mu_x * mu_y
+    out = []
+    g = _gaussian_1d()
     c1, c2 = 0.01**2, 0.03**2
-    s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
-    return s.reshape(N, C, -1).mean(dim=(1, 2)).numpy()
+    for i in range(0, len(a), chunk):  # chunks keep memory flat for long rollouts
+        x, y = _to_float(a[i : i + chunk]), _to_float(b[i : i + chunk])
+        N, C, H, W = x.shape
+        x, y = x.reshape(N * C, 1, H, W), y.reshape(N * C, 1, H, W)
+        mu_x, mu_y = _blur(x, g), _blur(y, g)
+        sxx = _blur(x * x, g) - mu_x**2
+        syy = _blur(y * y, g) - mu_y**2
+        sxy = _blur(x * y, g) - mu_x * mu_y
+        s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
+        out.append(s.reshape(N, C, -1).mean(dim=(1, 2)).numpy())
+    return np.concatenate(out)

@@ -91,7 +91,7 @@ def lr_at(step: int, a: TrainArgs) -> float:
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def run(stage_name: str, a: TrainArgs) -> dict:
+def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -196,7 +196,9 @@ def run(stage_name: str, a: TrainArgs) -> dict:
     if master:
         metrics = evaluate()
         wall = wall_before + time.time() - t0
-        result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early)
+        result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early,
+                      command=" ".join(["iws", "train", stage_name, *map(str, argv or [])]),
+                      args=vars(a), world_size=world, device=str(device))
         stage.export(ema, out, result)
         (out / "train_result.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
@@ -216,7 +218,7 @@ def main(stage_name: str | None = None, argv=None):
             raise SystemExit(f"usage: python -m iws_gym.train {{{','.join(STAGES)}}} [flags]")
         stage_name, argv = argv[0], argv[1:]
     a = parse_args(argv or [], default_args(stage_name))
-    return run(stage_name, a)
+    return run(stage_name, a, argv)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,21 @@ def test_torchrun_ddp_two_cpu_processes(tiny_dataset, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "train_result.json").read_text())["step"] == 4
     assert (out / "stage1.safetensors").is_file()
+
+
+def test_recon_command_reports_quality_and_latency(tiny_stage1, tmp_path):
+    out = tmp_path / "recon.json"
+    run_iws("eval", "recon", "--checkpoint", tiny_stage1, "--frames", 8, "--steps", 1, 2, "--json", out)
+    r = json.loads(out.read_text())
+    assert set(r["by_steps"]) == {"1", "2"} and r["frames"] == 8
+    for s in r["by_steps"].values():
+        assert s["encode_decode_ms_p50"] > 0 and 0 < s["psnr"] <= 100 and "block_px_median_vs_original" in s
+
+
+def test_release_writes_weights_and_provenance(tiny_stage1, tmp_path):
+    dest = tmp_path / "ck"
+    proc = run_iws("release", "--run", tiny_stage1, "--stage", "stage1", "--dest", dest)
+    prov = json.loads((dest / "provenance.json").read_text())["stage1"]
+    assert prov["command"].startswith("iws train stage1 --data") and prov["data_seed"] == 7 and prov["steps"] == 12
+    assert (dest / "stage1.safetensors").is_file() and "## stage1" in (dest / "PROVENANCE.md").read_text()
+    WorldModel.from_pretrained(dest, device="cpu")

@@ -1,0 +1,57 @@
+"""`iws release`: copy a trained stage into the shipped checkpoint directory with its provenance.
+
+Provenance (`checkpoints/<task>/PROVENANCE.md` and `provenance.json`) records, per stage: the exact
+training command, the data seed and episodes, steps and wall time, the commit that trained it, the
+commit of the release, and the metrics measured on it (the JSON reports given with --report).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .collect import git_commit
+from .data import write_json_atomic
+
+
+def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None) -> dict:
+    from safetensors import safe_open
+
+    run, dest = Path(run), Path(dest)
+    src = run / f"{stage}.safetensors"
+    if not src.is_file():
+        raise FileNotFoundError(f"{src} does not exist: train the stage first")
+    result_file = run / "train_result.json"
+    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    with safe_open(str(src), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "kind"}
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".{stage}.safetensors.tmp"
+    shutil.copyfile(src, tmp)
+    tmp.replace(dest / f"{stage}.safetensors")
+    prov_file = dest / "provenance.json"
+    prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    prov[stage] = dict(
+        file=f"{stage}.safetensors", size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
+        command=command or result.get("command"), data=meta.get("data"), data_seed=meta.get("data_seed"),
+        data_episodes=meta.get("data_episodes"), steps=result.get("step", meta.get("step")),
+        wall_s=result.get("wall_s"), device=result.get("device"), trained_at_commit=meta.get("commit"),
+        released_at_commit=git_commit(), train_eval=meta.get("eval"), config=meta.get("config"),
+        reports={str(p): json.loads(Path(p).read_text()).get("summary", json.loads(Path(p).read_text())) for p in reports},
+    )
+    write_json_atomic(prov_file, prov)
+    lines = ["# Provenance of the shipped weights", "",
+             "Written by `iws release`; the JSON twin is `provenance.json`. Weights are bf16 safetensors whose",
+             "metadata carries the model config, so `WorldModel.from_pretrained` needs nothing else.", ""]
+    for name, p in prov.items():
+        lines += [f"## {name}", "", f"- file: `{p['file']}` ({p['size_mb']} MB)", f"- command: `{p['command']}`",
+                  f"- data: `{p['data']}`, collection seed {p['data_seed']}, {p['data_episodes']} episodes "
+                  "(regenerate: `iws collect --task tpushing --episodes 600 --out data/tpushing --seed 0`)",
+                  f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
+                  f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
+                  f"- eval during training: `{json.dumps(p['train_eval'])}`"]
+        for rp, summary in p["reports"].items():
+            lines.append(f"- measured by `{rp}`: see that file; summary `{json.dumps(summary)[:600]}`")
+        lines.append("")
+    (dest / "PROVENANCE.md").write_text("\n".join(lines))
+    return prov[stage]
