@@ -1,0 +1,24 @@
+"""iws-gym: a learned robot simulator (Interactive World Simulator) served as a Gymnasium environment.
+
+Importing the package registers the task ids (Gymnasium >= 1.0 has no plugin discovery);
+`gym.make("iws_gym:IWS-TPushing-v0")` also works without a prior import.
+"""
+from gymnasium.envs.registration import register, registry
+
+__version__ = "0.1.0"
+
+if "IWS-TPushing-v0" not in registry:
+    register(id="IWS-TPushing-v0", entry_point="iws_gym.env:WorldSimEnv", max_episode_steps=300,
+             kwargs={"task": "tpushing"})
+
+
+def __getattr__(name):  # lazy exports keep `import iws_gym` light
+    if name == "WorldModel":
+        from .world_model import WorldModel
+
+        return WorldModel
+    if name == "WorldSimEnv":
+        from .env import WorldSimEnv
+
+        return WorldSimEnv
+    raise AttributeError(name)

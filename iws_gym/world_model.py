@@ -86,27 +86,38 @@ class WorldModel:
         return np.concatenate(out)
 
 
-    @torch.inference_mode()
-    def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None) -> np.ndarray:
-        """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8.
-
-        The context window starts with the single real latent (short history, padded) and slides
-        forward, dropping the oldest latent, so the cost per step does not grow with the horizon."""
+    # ---- the rolling context, batched: what the envs step -------------------------------------------
+    def start(self, z0: torch.Tensor) -> dict:
+        """Rollout state for B envs from their first latents z0 (B, C, h, w): a context window of K
+        slots holding z0 once (the earlier slots are padding) and no actions yet."""
         if self.stage2 is None:
             raise ValueError(f"{self.path}: no stage2.safetensors, cannot roll out dynamics")
         K = self.stage2.cfg.context
+        B = z0.shape[0]
+        return dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
+                    n_valid=torch.ones(B, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def advance(self, state: dict, actions: torch.Tensor, generator: torch.Generator | None = None,
+                steps: int | None = None) -> torch.Tensor:
+        """One env step for every env: predict z_{t+1} from the window and `actions` (B, 2), then slide the
+        window forward (the oldest latent drops out, so the cost per step never grows). Returns z_{t+1}."""
+        K = self.stage2.cfg.context
+        state["acts"] = torch.cat([state["acts"][:, 1:], actions.float().to(self.device)[:, None]], dim=1)
+        z = self.stage2.predict(state["ctx"], state["acts"], state["n_valid"], steps=steps or self.dynamics_steps,
+                                generator=generator)
+        state["ctx"] = torch.cat([state["ctx"][:, 1:], z[:, None]], dim=1)
+        state["n_valid"] = (state["n_valid"] + 1).clamp(max=K)
+        return z
+
+    def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None) -> np.ndarray:
+        """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8."""
         gen = torch.Generator().manual_seed(seed)
-        z0 = self.encode(first_frame[None])                       # (1, C, h, w)
-        ctx = z0[:, None].repeat(1, K, 1, 1, 1)                    # (1, K, C, h, w), slots before the start are padding
-        acts = torch.zeros(1, K, 2, device=self.device)
-        n_valid = torch.ones(1, dtype=torch.long, device=self.device)
+        state = self.start(self.encode(first_frame[None]))
         frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
-            acts = torch.cat([acts[:, 1:], torch.from_numpy(a).to(self.device)[None, None]], dim=1)
-            z = self.stage2.predict(ctx, acts, n_valid, steps=steps or self.dynamics_steps, generator=gen)
-            ctx = torch.cat([ctx[:, 1:], z[:, None]], dim=1)       # roll the window
-            n_valid = (n_valid + 1).clamp(max=K)
-            frames.append(self.decode(z, seed=None, generator=gen)[0])
+            z = self.advance(state, torch.from_numpy(a)[None], generator=gen, steps=steps)
+            frames.append(self.decode(z, generator=gen)[0])
         return np.stack(frames)
 
 

@@ -32,3 +32,18 @@ def tiny_stage1(tiny_dataset, tmp_path_factory):
     run_iws("train", "stage1", "--data", tiny_dataset, "--out", out, "--steps", 12, "--batch", 4, "--preset", "tiny",
             "--crop", 64, "--eval-every", 100, "--ckpt-every", 6, "--log-every", 2, "--warmup", 2)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_dataset, tiny_stage1, tmp_path_factory):
+    """A complete (stage 1 + stage 2) tiny checkpoint directory, as `checkpoints/tpushing` is laid out."""
+    import shutil
+
+    s2 = tmp_path_factory.mktemp("runs") / "stage2"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_stage1, "--out", s2, "--steps", 4, "--batch", 4,
+            "--preset", "tiny", "--eval-every", 100, "--ckpt-every", 100, "--warmup", 1)
+    ck = tmp_path_factory.mktemp("ck") / "tpushing"
+    ck.mkdir()
+    shutil.copy(tiny_stage1 / "stage1.safetensors", ck)
+    shutil.copy(s2 / "stage2.safetensors", ck)
+    return ck

@@ -1,0 +1,197 @@
+"""WorldSimEnv: the learned T-pushing world as a Gymnasium environment.
+
+## Description
+A learned simulator of gym-pusht's Push-T. `reset()` encodes a real initial frame into the latent
+space of the world model; `step(action)` denoises the next latent with the latent consistency
+dynamics (rolling, slightly noised context of K latents) and decodes a 128x128 RGB frame with the
+consistency decoder. Reward and success are read from the predicted frame by a pluggable scorer.
+
+## Action space
+`Box(0, 512, (2,), float32)`: the absolute agent target in the 512x512 canvas, at 10 Hz (gym-pusht's
+convention). Out-of-range actions are clipped to the box; wrong shapes, NaN or inf raise ValueError.
+
+## Observation space
+- `obs_type="pixels_agent_pos"` (default): `Dict(pixels=Box(0, 255, (H, W, 3), uint8),
+  agent_pos=Box(0, 512, (2,), float64))`; agent_pos is read from the frame (where it shows the agent).
+- `obs_type="pixels"`: the frame alone.
+`observation_width/height` resize the returned frame (LeRobot's Push-T policies take 96x96).
+
+## Rewards
+`reward = clip(coverage / 0.95, 0, 1)` with coverage read from the frame by the scorer.
+
+## Starting state
+A real frame: by default drawn (seeded) from held-out ground-truth starts (gym-pusht resets with seeds
+in the held-out range, never seen in training); `options["initial_frame"]` (H x W x 3 uint8 RGB) with
+optional `options["agent_pos"]`; or `options["reset_to_state"]` ([agent x, y, block x, y, angle]),
+rendered by gym-pusht's own renderer so one policy can start identically in both worlds.
+
+## Episode end
+`terminated = is_success = coverage > 0.95`; truncation by TimeLimit (300 steps via gym.make).
+
+## Arguments
+`obs_type`, `render_mode` ("rgb_array" | "human"), `observation_width`, `observation_height`,
+`checkpoint` (None: the shipped weights), `device` ("auto": CUDA if present, else CPU, bf16),
+`scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`.
+
+## Version history
+- v0: first release.
+"""
+from __future__ import annotations
+
+import cv2
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from .groundtruth import render_state
+from .pose import agent_position
+from .scorer import TPushCoverageScorer
+from .tasks import load_task
+
+N_START_SEEDS = 1000  # size of the held-out start bank
+
+
+def check_action(action, low: float = 0.0, high: float = 512.0) -> np.ndarray:
+    """Validate one action (2,) and clip it to the box. Raises ValueError naming the problem."""
+    try:
+        a = np.asarray(action, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"action must be a numeric array of shape (2,), got {type(action).__name__}") from None
+    if a.dtype.kind not in "fiu" or a.shape != (2,):
+        raise ValueError(f"action must have shape (2,) (absolute agent target x, y in [0, 512]), got shape {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"action must be finite, got {a.tolist()}")
+    return np.clip(a, low, high).astype(np.float32)
+
+
+def check_frame(frame, size: int) -> np.ndarray:
+    """An RGB uint8 (H, W, 3) frame resized to size x size."""
+    f = np.asarray(frame)
+    if f.ndim != 3 or f.shape[2] != 3 or f.dtype != np.uint8:
+        raise ValueError(f"initial_frame must be an (H, W, 3) uint8 RGB array, got shape {f.shape} dtype {f.dtype}")
+    if f.shape[:2] != (size, size):
+        f = cv2.resize(f, (size, size), interpolation=cv2.INTER_AREA)
+    return np.ascontiguousarray(f)
+
+
+class WorldSimEnv(gym.Env):
+    metadata = {"render_modes": ["rgb_array", "human"], "render_fps": 10}
+
+    def __init__(self, obs_type: str = "pixels_agent_pos", render_mode: str | None = None,
+                 observation_width: int = 128, observation_height: int = 128, checkpoint=None,
+                 device: str = "auto", scorer=None, decoder_steps: int | None = None,
+                 dynamics_steps: int | None = None, task: str = "tpushing", world_model=None):
+        from .world_model import WorldModel
+
+        if obs_type not in ("pixels_agent_pos", "pixels"):
+            raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
+        if render_mode not in (None, "rgb_array", "human"):
+            raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
+        self.task = load_task(task)
+        self.wm = world_model or WorldModel.from_pretrained(checkpoint or self.task.checkpoint_path, device=device,
+                                                            stages=("stage1", "stage2"))
+        if decoder_steps:
+            self.wm.decoder_steps = decoder_steps
+        if dynamics_steps:
+            self.wm.dynamics_steps = dynamics_steps
+        self.obs_type, self.render_mode = obs_type, render_mode
+        self.size = self.task.frame_size
+        self.obs_hw = (observation_height, observation_width)
+        self.scorer = scorer or TPushCoverageScorer(frame_size=self.size)
+        self.action_space = spaces.Box(self.task.action_low, self.task.action_high, (2,), np.float32)
+        pixels = spaces.Box(0, 255, (observation_height, observation_width, 3), np.uint8)
+        self.observation_space = pixels if obs_type == "pixels" else spaces.Dict(
+            {"pixels": pixels, "agent_pos": spaces.Box(0, 512, (2,), np.float64)})
+        self._state, self._frame, self._agent = None, None, None
+        self._gen = torch.Generator()
+        self._window = self._clock = None
+        self._gt_env = None
+
+    # ---- helpers
+    def _obs(self):
+        f = self._frame
+        if self.obs_hw != f.shape[:2]:
+            f = cv2.resize(f, self.obs_hw[::-1], interpolation=cv2.INTER_AREA)
+        if self.obs_type == "pixels":
+            return f
+        return {"pixels": f, "agent_pos": self._agent.astype(np.float64)}
+
+    def _ground_truth_env(self):
+        if self._gt_env is None:
+            from .groundtruth import make_env
+
+            self._gt_env = make_env(self.size)
+        return self._gt_env
+
+    def _read_agent(self, frame, fallback):
+        p = agent_position(frame)
+        return np.clip(p, 0, 512) if p is not None else fallback
+
+    # ---- Gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        options = options or {}
+        self._gen.manual_seed(int(self.np_random.integers(2**31 - 1)))
+        if options.get("initial_frame") is not None:
+            frame = check_frame(options["initial_frame"], self.size)
+            agent = options.get("agent_pos")
+            agent = np.asarray(agent, np.float64) if agent is not None else self._read_agent(frame, np.full(2, 256.0))
+        elif options.get("reset_to_state") is not None:
+            state = np.asarray(options["reset_to_state"], dtype=np.float64)
+            if state.shape != (5,) or not np.all(np.isfinite(state)):
+                raise ValueError(f"reset_to_state must be 5 finite numbers [agent x, y, block x, y, angle], got {state.tolist()}")
+            frame = render_state(state, self.size, self._ground_truth_env())
+            agent = state[:2].copy()
+        else:
+            gt = self._ground_truth_env()
+            obs, _ = gt.reset(seed=self.task.heldout_seed_base + int(self.np_random.integers(N_START_SEEDS)))
+            frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
+        self._frame, self._agent = frame, agent
+        self._state = self.wm.start(self.wm.encode(frame[None]))
+        score = self.scorer(frame[None])[0]
+        info = {"is_success": False, **score.info}
+        if self.render_mode == "human":
+            self.render()
+        return self._obs(), info
+
+    def step(self, action):
+        if self._state is None:
+            raise RuntimeError("call reset() before step()")
+        a = check_action(action, self.task.action_low, self.task.action_high)
+        z = self.wm.advance(self._state, torch.from_numpy(a)[None], generator=self._gen)
+        self._frame = self.wm.decode(z, generator=self._gen)[0]
+        self._agent = self._read_agent(self._frame, self._agent)
+        score = self.scorer(self._frame[None])[0]
+        info = {"is_success": score.is_success, **score.info}
+        if self.render_mode == "human":
+            self.render()
+        return self._obs(), score.reward, score.is_success, False, info
+
+    def render(self):
+        if self._frame is None:
+            return None
+        if self.render_mode == "rgb_array":
+            return self._frame.copy()
+        if self.render_mode == "human":
+            import pygame
+
+            if self._window is None:
+                pygame.init()
+                self._window = pygame.display.set_mode((512, 512))
+                pygame.display.set_caption("iws-gym: IWS-TPushing-v0")
+                self._clock = pygame.time.Clock()
+            big = cv2.resize(self._frame, (512, 512), interpolation=cv2.INTER_NEAREST)
+            self._window.blit(pygame.surfarray.make_surface(big.swapaxes(0, 1)), (0, 0))
+            pygame.event.pump()
+            pygame.display.flip()
+            self._clock.tick(self.metadata["render_fps"])
+        return None
+
+    def close(self):
+        if self._window is not None:
+            import pygame
+
+            pygame.display.quit()
+            pygame.quit()
+            self._window = None

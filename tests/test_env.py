@@ -1,0 +1,110 @@
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import iws_gym  # noqa: F401  (registers IWS-TPushing-v0)
+from iws_gym.scorer import ProbabilityScorer, TPushCoverageScorer
+
+
+@pytest.fixture
+def env(tiny_checkpoint):
+    e = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu")
+    yield e
+    e.close()
+
+
+def test_check_env_passes(tiny_checkpoint):
+    e = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu")
+    check_env(e.unwrapped, skip_render_check=True)
+
+
+def test_spaces_and_step_contract(env):
+    assert env.action_space == gym.spaces.Box(0, 512, (2,), np.float32)
+    obs, info = env.reset(seed=0)
+    assert obs["pixels"].shape == (128, 128, 3) and obs["pixels"].dtype == np.uint8
+    assert obs["agent_pos"].shape == (2,) and obs["agent_pos"].dtype == np.float64
+    assert "coverage" in info and info["is_success"] is False
+    obs, r, term, trunc, info = env.step(np.array([100.0, 200.0], np.float32))
+    assert 0 <= r <= 1 and isinstance(term, bool) and trunc is False and {"coverage", "is_success"} <= set(info)
+    assert env.spec.max_episode_steps == 300 and env.metadata["render_fps"] == 10
+
+
+def test_same_seed_same_observations(env):
+    acts = np.random.default_rng(0).uniform(0, 512, (4, 2)).astype(np.float32)
+
+    def run():
+        o, _ = env.reset(seed=123)
+        out = [o["pixels"]]
+        for a in acts:
+            out.append(env.step(a)[0]["pixels"])
+        return np.stack(out)
+    np.testing.assert_array_equal(run(), run())
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (np.zeros(3), "shape"), (np.array([np.nan, 1.0]), "finite"), (np.array([np.inf, 1.0]), "finite"),
+    ("left", "numeric|shape"), (np.zeros((1, 2)), "shape"),
+])
+def test_bad_actions_raise_and_env_stays_usable(env, bad, msg):
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match=msg):
+        env.step(bad)
+    env.step(np.array([256.0, 256.0]))  # still fine
+
+
+def test_out_of_range_actions_are_clipped(env):
+    env.reset(seed=0)
+    from iws_gym.env import check_action
+
+    np.testing.assert_array_equal(check_action([-50, 900]), np.array([0, 512], np.float32))
+    env.step(np.array([-50.0, 900.0]))
+
+
+def test_reset_options(env):
+    frame = np.full((96, 96, 3), 255, np.uint8)
+    obs, _ = env.reset(options={"initial_frame": frame, "agent_pos": [10.0, 20.0], "unknown": 1})
+    assert obs["pixels"].shape == (128, 128, 3) and np.allclose(obs["agent_pos"], [10, 20])
+    obs, _ = env.reset(options={"reset_to_state": [100, 100, 300, 300, 0.5]})
+    assert np.allclose(obs["agent_pos"], [100, 100])
+    with pytest.raises(ValueError, match="uint8"):
+        env.reset(options={"initial_frame": np.zeros((64, 64, 3), np.float32)})
+    with pytest.raises(ValueError, match="reset_to_state"):
+        env.reset(options={"reset_to_state": [1, 2, 3]})
+    env.reset(seed=1)  # still usable
+
+
+def test_pixels_obs_type_and_resize(tiny_checkpoint):
+    e = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", obs_type="pixels",
+                 observation_width=96, observation_height=96, render_mode="rgb_array")
+    obs, _ = e.reset(seed=0)
+    assert obs.shape == (96, 96, 3) and e.render().shape == (128, 128, 3)
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        gym.make("IWS-TPushing-v0", checkpoint=tmp_path / "nope", device="cpu")
+
+
+def test_custom_scorer_protocol(tiny_checkpoint):
+    calls = []
+
+    def prob(frames):
+        calls.append(frames.shape)
+        return np.full(len(frames), 0.9)
+    e = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", scorer=ProbabilityScorer(prob, 0.5))
+    e.reset(seed=0)
+    _, r, term, _, info = e.step(np.array([1.0, 2.0]))
+    assert r == pytest.approx(0.9) and term is True and info["success_prob"] == pytest.approx(0.9)
+    assert calls[-1] == (1, 128, 128, 3)
+
+
+def test_pixel_coverage_scorer_on_ground_truth():
+    from iws_gym.collect import heldout_episodes
+    from iws_gym.tasks import load_task
+
+    s = TPushCoverageScorer()
+    errs = []
+    for ep in heldout_episodes(load_task("tpushing"), 2, 30):
+        errs += [abs(s.coverage(f) - c) for f, c in zip(ep["frames"], ep["coverage"])]
+    assert np.median(errs) < 0.03
