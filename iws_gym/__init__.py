@@ -8,7 +8,8 @@ from gymnasium.envs.registration import register, registry
 __version__ = "0.1.0"
 
 if "IWS-TPushing-v0" not in registry:
-    register(id="IWS-TPushing-v0", entry_point="iws_gym.env:WorldSimEnv", max_episode_steps=300,
+    register(id="IWS-TPushing-v0", entry_point="iws_gym.env:WorldSimEnv",
+             vector_entry_point="iws_gym.vector_env:WorldSimVectorEnv", max_episode_steps=300,
              kwargs={"task": "tpushing"})
 
 

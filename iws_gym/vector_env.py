@@ -1,0 +1,187 @@
+"""WorldSimVectorEnv: N learned T-pushing worlds stepped by one batched model call per step.
+
+    envs = gym.make_vec("IWS-TPushing-v0", num_envs=32)                      # NEXT_STEP autoreset
+    envs = gym.make_vec("IWS-TPushing-v0", num_envs=32, autoreset_mode="SameStep")   # LeRobot's loop
+
+Every step puts the N actions into the rolling context, runs one dynamics forward and one decoder
+forward for all N envs, scores the N frames, and resets finished envs in place (their slice of the
+context is replaced by a fresh encoded start), following Gymnasium's autoreset semantics:
+NEXT_STEP (the step after an episode ends returns the reset observation, reward 0) or SAME_STEP (the
+reset observation is returned at once; the last observation and info go to info["final_obs"] /
+info["final_info"]).
+"""
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import torch
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
+
+from .env import N_START_SEEDS, check_action, check_frame
+from .groundtruth import make_env, render_state
+from .pose import agent_position
+from .scorer import TPushCoverageScorer
+from .tasks import load_task
+
+
+class WorldSimVectorEnv(VectorEnv):
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10, "autoreset_mode": AutoresetMode.NEXT_STEP}
+
+    def __init__(self, num_envs: int = 1, obs_type: str = "pixels_agent_pos", render_mode: str | None = None,
+                 observation_width: int = 128, observation_height: int = 128, checkpoint=None, device: str = "auto",
+                 scorer=None, task: str = "tpushing", max_episode_steps: int | None = 300,
+                 autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None):
+        from .world_model import WorldModel
+
+        if num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if obs_type not in ("pixels_agent_pos", "pixels"):
+            raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"the vector env renders 'rgb_array' only, got {render_mode!r}")
+        self.task = load_task(task)
+        self.wm = world_model or WorldModel.from_pretrained(checkpoint or self.task.checkpoint_path, device=device,
+                                                            stages=("stage1", "stage2"))
+        if decoder_steps:
+            self.wm.decoder_steps = decoder_steps
+        if dynamics_steps:
+            self.wm.dynamics_steps = dynamics_steps
+        self.num_envs, self.render_mode, self.obs_type = num_envs, render_mode, obs_type
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
+        self.max_episode_steps = max_episode_steps
+        self.size = self.task.frame_size
+        self.obs_hw = (observation_height, observation_width)
+        self.scorer = scorer or TPushCoverageScorer(frame_size=self.size)
+        self.single_action_space = spaces.Box(self.task.action_low, self.task.action_high, (2,), np.float32)
+        pixels = spaces.Box(0, 255, (observation_height, observation_width, 3), np.uint8)
+        self.single_observation_space = pixels if obs_type == "pixels" else spaces.Dict(
+            {"pixels": pixels, "agent_pos": spaces.Box(0, 512, (2,), np.float64)})
+        self.action_space = batch_space(self.single_action_space, num_envs)
+        self.observation_space = batch_space(self.single_observation_space, num_envs)
+        self._gt = make_env(self.size)
+        self._gen = torch.Generator()
+        self._state = None
+        self._frames = np.zeros((num_envs, self.size, self.size, 3), np.uint8)
+        self._agents = np.zeros((num_envs, 2))
+        self._elapsed = np.zeros(num_envs, dtype=np.int64)
+        self._needs_reset = np.zeros(num_envs, dtype=bool)
+
+    # ---- helpers
+    def _start_frame(self, options: dict | None):
+        options = options or {}
+        if options.get("initial_frame") is not None:
+            frame = check_frame(options["initial_frame"], self.size)
+            agent = options.get("agent_pos")
+            return frame, (np.asarray(agent, np.float64) if agent is not None else agent_position(frame))
+        if options.get("reset_to_state") is not None:
+            state = np.asarray(options["reset_to_state"], dtype=np.float64)
+            if state.shape != (5,) or not np.all(np.isfinite(state)):
+                raise ValueError(f"reset_to_state must be 5 finite numbers, got {state.tolist()}")
+            return render_state(state, self.size, self._gt), state[:2].copy()
+        obs, _ = self._gt.reset(seed=self.task.heldout_seed_base + int(self.np_random.integers(N_START_SEEDS)))
+        return obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
+
+    def _reset_envs(self, idx, options_list):
+        """Reset envs `idx` in place: new start frames, encoded in one batch, spliced into the context."""
+        starts = [self._start_frame(o) for o in options_list]
+        frames = np.stack([f for f, _ in starts])
+        z0 = self.wm.encode(frames)
+        fresh = self.wm.start(z0)
+        if self._state is None:
+            self._state = fresh
+        else:
+            t = torch.as_tensor(idx, device=self.wm.device)
+            with torch.inference_mode():
+                for k in self._state:
+                    self._state[k][t] = fresh[k]
+        for j, (f, a) in zip(idx, starts):
+            self._frames[j], self._agents[j] = f, a if a is not None else np.full(2, 256.0)
+        self._elapsed[idx] = 0
+        self._needs_reset[idx] = False
+
+    def _obs(self):
+        f = self._frames
+        if self.obs_hw != f.shape[1:3]:
+            f = np.stack([cv2.resize(x, self.obs_hw[::-1], interpolation=cv2.INTER_AREA) for x in f])
+        else:
+            f = f.copy()
+        return f if self.obs_type == "pixels" else {"pixels": f, "agent_pos": self._agents.copy()}
+
+    def _single_obs(self, obs, i):
+        return obs[i] if self.obs_type == "pixels" else {k: v[i] for k, v in obs.items()}
+
+    # ---- VectorEnv API
+    def reset(self, *, seed=None, options: dict | None = None):
+        super().reset(seed=seed if isinstance(seed, (int, type(None))) else int(seed[0]))
+        self._gen.manual_seed(int(self.np_random.integers(2**31 - 1)))
+        options = options or {}
+        mask = options.get("reset_mask")
+        idx = np.arange(self.num_envs) if mask is None or self._state is None else np.flatnonzero(mask)
+        shared = {k: v for k, v in options.items() if k != "reset_mask"}  # options apply to every env reset
+        self._reset_envs(idx, [shared] * len(idx))
+        scores = self.scorer(self._frames)
+        infos = {}
+        for i in range(self.num_envs):
+            infos = self._add_info(infos, {"is_success": False, **scores[i].info}, i)
+        return self._obs(), infos
+
+    def step(self, actions):
+        if self._state is None:
+            raise RuntimeError("call reset() before step()")
+        a = np.asarray(actions)
+        if a.shape != (self.num_envs, 2):
+            raise ValueError(f"actions must have shape ({self.num_envs}, 2) (one absolute agent target per env), got {a.shape}")
+        a = np.stack([check_action(x, self.task.action_low, self.task.action_high) for x in a])
+        # NEXT_STEP: envs that finished on the previous step are reset now and their action is ignored
+        resetting = np.flatnonzero(self._needs_reset) if self.autoreset_mode == AutoresetMode.NEXT_STEP else np.array([], int)
+        stepping = np.setdiff1d(np.arange(self.num_envs), resetting)
+        z = self.wm.advance(self._state, torch.from_numpy(a), generator=self._gen)  # one batched forward for all
+        frames = self.wm.decode(z, generator=self._gen)
+        self._frames[stepping] = frames[stepping]  # the resetting envs' slices are overwritten below
+        for i in stepping:
+            p = agent_position(self._frames[i])
+            if p is not None:
+                self._agents[i] = np.clip(p, 0, 512)
+        self._elapsed[stepping] += 1
+        if len(resetting):
+            self._reset_envs(resetting, [{}] * len(resetting))
+        scores = self.scorer(self._frames)
+        rewards = np.array([s.reward for s in scores], dtype=np.float64)
+        terminated = np.array([s.is_success for s in scores], dtype=bool)
+        truncated = (self._elapsed >= self.max_episode_steps) if self.max_episode_steps else np.zeros(self.num_envs, bool)
+        rewards[resetting], terminated[resetting], truncated[resetting] = 0.0, False, False
+        truncated &= ~terminated
+        infos = {}
+        for i in range(self.num_envs):
+            infos = self._add_info(infos, {"is_success": bool(terminated[i]), **scores[i].info}, i)
+        done = np.flatnonzero(terminated | truncated)
+        obs = self._obs()
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+            self._needs_reset[done] = True
+        elif self.autoreset_mode == AutoresetMode.SAME_STEP and len(done):
+            for i in done:
+                infos = self._add_info(infos, {"final_obs": self._single_obs(obs, i),
+                                               "final_info": {"is_success": bool(terminated[i]), **scores[i].info}}, i)
+            self._reset_envs(done, [{}] * len(done))
+            obs = self._obs()
+        return obs, rewards, terminated, truncated, infos
+
+    def render(self):
+        return self._frames.copy() if self.render_mode == "rgb_array" else None
+
+    def call(self, name, *args, **kwargs):
+        attr = getattr(self, name)
+        out = attr(*args, **kwargs) if callable(attr) else attr
+        return tuple(out for _ in range(self.num_envs))
+
+    def get_attr(self, name):
+        return self.call(name)
+
+    def set_attr(self, name, values):
+        values = values if isinstance(values, (list, tuple)) else [values] * self.num_envs
+        if len(set(map(id, values))) > 1 and len(values) == self.num_envs and len({repr(v) for v in values}) > 1:
+            raise ValueError(f"the batched env shares one {name!r} across its {self.num_envs} envs; got different values")
+        setattr(self, name, values[0])
