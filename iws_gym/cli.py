@@ -53,6 +53,12 @@ def cmd_train(a):
     train_main(a.stage, a.rest)
 
 
+def cmd_demo(a):
+    from .demo import demo
+
+    _emit(demo(a.checkpoint, a.episodes, a.steps, a.seed, Path(a.video) if a.video else None, a.device), a.json)
+
+
 def cmd_release(a):
     from .release import release
 
@@ -121,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="decoder step counts to report")
     er.add_argument("--json", default=None)
     er.set_defaults(fn=cmd_eval_recon)
+    d = sub.add_parser("demo", help="a scripted pusher plays IWS-TPushing-v0; prints scores, writes a video")
+    d.add_argument("--checkpoint", default=None, help="default: the shipped weights")
+    d.add_argument("--episodes", type=int, default=3)
+    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--video", default="out/demo.mp4")
+    d.add_argument("--device", default="auto")
+    d.add_argument("--json", default=None)
+    d.set_defaults(fn=cmd_demo)
+
     r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
     r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json")
     r.add_argument("--stage", required=True, choices=["stage1", "stage2", "stage3"])

@@ -108,3 +108,27 @@ def test_pixel_coverage_scorer_on_ground_truth():
     for ep in heldout_episodes(load_task("tpushing"), 2, 30):
         errs += [abs(s.coverage(f) - c) for f, c in zip(ep["frames"], ep["coverage"])]
     assert np.median(errs) < 0.03
+
+
+def test_demo_command(tiny_checkpoint, tmp_path):
+    import json
+
+    from .conftest import run_iws
+
+    out = tmp_path / "demo.json"
+    run_iws("demo", "--checkpoint", tiny_checkpoint, "--episodes", 2, "--steps", 3, "--video", tmp_path / "d.mp4",
+            "--device", "cpu", "--json", out)
+    r = json.loads(out.read_text())
+    assert len(r["episodes"]) == 2 and r["env_steps"] <= 6 and (tmp_path / "d.mp4").stat().st_size > 0
+
+
+def test_frame_pusher_runs_in_the_ground_truth_unchanged():
+    from iws_gym.groundtruth import make_env
+    from iws_gym.policies import FramePusher
+
+    env, pol = make_env(128), FramePusher()
+    obs, info = env.reset(seed=3)
+    start = info["block_pose"].copy()
+    for _ in range(60):
+        obs, r, term, trunc, info = env.step(pol(obs))
+    assert np.linalg.norm(info["block_pose"][:2] - start[:2]) > 1 or info["coverage"] > 0  # it reached and moved the block
