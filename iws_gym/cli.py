@@ -71,7 +71,7 @@ def _emit(report: dict, path: str | None, summary_only: bool = False):
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(Path(path), report)
-    shown = report.get("summary", report) if summary_only else report
+    shown = {k: report[k] for k in ("summary", "pose_estimator_error") if k in report} if summary_only else report
     print(json.dumps(shown, indent=2, default=str))
 
 
