@@ -55,16 +55,35 @@ class DynamicsConfig:
 
 
 class FactorisedConv3d(nn.Module):
-    """(B, C, T, H, W): 3x3 spatial conv per frame, then a causal temporal conv (kernel 3, left-padded)."""
+    """A 3D convolution factorised as 3x3 spatial per frame, then causal kernel-3 temporal mixing:
+    out[t] = W0 s[t-2] + W1 s[t-1] + W2 s[t] (s: the spatial output; missing past frames are zeros).
+
+    It runs on two streams: the K context frames (B, K, C, H, W) and V variants of the target slot
+    (B, V, C, H, W) that all follow the same context. Because nothing looks ahead, the context stream
+    does not depend on the target, so it is computed once for every variant (the loss's noise levels,
+    the sampler's steps)."""
 
     def __init__(self, ch: int):
         super().__init__()
-        self.spatial = nn.Conv3d(ch, ch, (1, 3, 3), padding=(0, 1, 1))
-        self.temporal = nn.Conv3d(ch, ch, (3, 1, 1))
+        self.spatial = nn.Conv2d(ch, ch, 3, padding=1)
+        self.temporal = nn.Conv2d(3 * ch, ch, 1)  # the three taps stacked on channels
 
-    def forward(self, x):
-        x = self.spatial(x)
-        return self.temporal(F.pad(x, (0, 0, 0, 0, 2, 0)))  # pad 2 frames in the past only
+    def _spatial(self, x):
+        B, T = x.shape[:2]
+        return self.spatial(x.flatten(0, 1)).unflatten(0, (B, T))
+
+    def forward(self, ctx, tgt):
+        s_c, s_t = self._spatial(ctx), self._spatial(tgt)              # (B, K, C, H, W), (B, V, C, H, W)
+        B, K, C, H, W = s_c.shape
+        V = s_t.shape[1]
+        z = torch.zeros_like(s_c[:, :1])
+        past = torch.cat([z, z, s_c], dim=1)                           # (B, K+2, C, H, W)
+        taps_c = torch.cat([past[:, :K], past[:, 1 : K + 1], s_c], dim=2)  # (B, K, 3C, H, W)
+        prev = past[:, K:K + 2].flatten(1, 2)[:, None].expand(B, V, 2 * C, H, W)  # frames K-2, K-1
+        taps_t = torch.cat([prev, s_t], dim=2)                         # (B, V, 3C, H, W)
+        out_c = self.temporal(taps_c.flatten(0, 1)).unflatten(0, (B, K))
+        out_t = self.temporal(taps_t.flatten(0, 1)).unflatten(0, (B, V))
+        return out_c, out_t
 
 
 class DynBlock(nn.Module):
@@ -79,31 +98,48 @@ class DynBlock(nn.Module):
         self.norm_t, self.attn_t = group_norm(ch), nn.MultiheadAttention(ch, heads, batch_first=True)
 
     @staticmethod
-    def _norm(norm, x):  # per-pixel channel norm on (B, C, T, H, W)
-        B, C, T, H, W = x.shape
-        return norm(x.transpose(1, 2).reshape(B * T, C, H, W)).reshape(B, T, C, H, W).transpose(1, 2)
+    def _norm(norm, x):  # per-pixel channel norm on (B, T, C, H, W)
+        return norm(x.flatten(0, 1)).unflatten(0, x.shape[:2])
 
-    def forward(self, x, cond, t_mask, pad):
-        """x (B, C, T, H, W); cond (B, T, cond_dim); t_mask (T, T) bool, True = may not attend;
-        pad (B, T) bool, True = padded slot (never attended to)."""
-        B, C, T, H, W = x.shape
-        h = self.conv1(F.silu(self._norm(self.norm1, x)))
-        scale, shift = self.film(cond).transpose(1, 2)[..., None, None].chunk(2, dim=1)  # (B, C, T, 1, 1) each
-        h = self._norm(self.norm2, h) * (1 + scale) + shift
-        x = x + self.conv2(F.silu(h))
-        # spatial attention within each frame: tokens = H*W
-        s = self._norm(self.norm_s, x).permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
+    def _film(self, h, cond):
+        scale, shift = self.film(cond)[..., None, None].chunk(2, dim=2)  # (B, T, C, 1, 1) each
+        return h * (1 + scale) + shift
+
+    def _spatial_attn(self, x):
+        B, T, C, H, W = x.shape
+        s = self._norm(self.norm_s, x).permute(0, 1, 3, 4, 2).reshape(B * T, H * W, C)
         s = self.attn_s(s, s, s, need_weights=False)[0]
-        x = x + s.reshape(B, T, H, W, C).permute(0, 4, 1, 2, 3)
-        # causal temporal attention at each location: tokens = T
-        t = self._norm(self.norm_t, x).permute(0, 3, 4, 2, 1).reshape(B * H * W, T, C)
-        key_pad = pad[:, None, :].expand(B, H * W, T).reshape(B * H * W, T)
-        t = self.attn_t(t, t, t, attn_mask=t_mask, key_padding_mask=key_pad, need_weights=False)[0]
-        return x + t.reshape(B, H, W, T, C).permute(0, 4, 3, 1, 2)
+        return x + s.reshape(B, T, H, W, C).permute(0, 1, 4, 2, 3)
+
+    def forward(self, ctx, tgt, cond_c, cond_t, pad):
+        """ctx (B, K, C, H, W) context stream; tgt (B, V, C, H, W) target variants; cond_c (B, K, D),
+        cond_t (B, V, D); pad (B, K) bool, True = padded context slot (never attended to)."""
+        B, K, C, H, W = ctx.shape
+        V = tgt.shape[1]
+        h_c, h_t = self.conv1(F.silu(self._norm(self.norm1, ctx)), F.silu(self._norm(self.norm1, tgt)))
+        h_c = F.silu(self._film(self._norm(self.norm2, h_c), cond_c))
+        h_t = F.silu(self._film(self._norm(self.norm2, h_t), cond_t))
+        d_c, d_t = self.conv2(h_c, h_t)
+        ctx, tgt = self._spatial_attn(ctx + d_c), self._spatial_attn(tgt + d_t)
+        # causal temporal attention at each location: context attends to its past, each target variant
+        # to the whole (unpadded) context and itself
+        n_c = self._norm(self.norm_t, ctx).permute(0, 3, 4, 1, 2).reshape(B * H * W, K, C)
+        n_t = self._norm(self.norm_t, tgt).permute(0, 3, 4, 1, 2).reshape(B * H * W, V, C)
+        causal = torch.ones(K, K, dtype=torch.bool, device=ctx.device).triu(1)
+        key_pad = pad[:, None, :].expand(B, H * W, K).reshape(B * H * W, K)
+        a_c = self.attn_t(n_c, n_c, n_c, attn_mask=causal, key_padding_mask=key_pad, need_weights=False)[0]
+        q = n_t.reshape(B * H * W * V, 1, C)
+        kv = torch.cat([n_c[:, None].expand(B * H * W, V, K, C), n_t[:, :, None]], dim=2).reshape(B * H * W * V, K + 1, C)
+        kpad = torch.cat([key_pad[:, None].expand(B * H * W, V, K), torch.zeros_like(key_pad[:, None, :1]).expand(B * H * W, V, 1)], dim=2)
+        a_t = self.attn_t(q, kv, kv, key_padding_mask=kpad.reshape(B * H * W * V, K + 1), need_weights=False)[0]
+        ctx = ctx + a_c.reshape(B, H, W, K, C).permute(0, 3, 4, 1, 2)
+        tgt = tgt + a_t.reshape(B, H, W, V, C).permute(0, 3, 4, 1, 2)
+        return ctx, tgt
 
 
 class DynamicsNet(nn.Module):
-    """The network: noisy window -> F for the target slot. Knows nothing about noise schedules."""
+    """The network: context window + V noisy target variants -> F for each variant. Knows nothing about
+    noise schedules."""
 
     def __init__(self, cfg: DynamicsConfig):
         super().__init__()
@@ -120,23 +156,28 @@ class DynamicsNet(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def forward(self, window, actions_in, c_noise, slot):
-        """window (B, T, C, h, w) preconditioned inputs; actions_in (B, T, 2) normalised action leading
-        into each slot; c_noise (B, T); slot (B, T) long (1 = padding). Returns F for the last slot (B, C, h, w)."""
-        B, T, C, H, W = window.shape
-        pad = slot == 1
-        window = window.masked_fill(pad[:, :, None, None, None], 0.0)  # padded slots carry no content
+    def _tokens(self, x):  # (B, T, C, h, w) latents -> (B, T, ch, h/2, w/2)
+        return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])
+
+    def forward(self, ctx, ctx_c_noise, actions_in, pad, tgt, tgt_c_noise):
+        """ctx (B, K, C, h, w) preconditioned context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised
+        action leading into each slot (last: into the target); pad (B, K) bool; tgt (B, V, C, h, w)
+        preconditioned noisy target variants with tgt_c_noise (B, V). Returns F (B, V, C, h, w)."""
+        B, K = ctx.shape[:2]
+        V = tgt.shape[1]
         dt = self.inp.weight.dtype
-        cond = self.sigma_emb(c_noise.reshape(-1)).reshape(B, T, -1) + self.action_emb(actions_in.to(dt)) \
-            + self.slot_emb(slot) + self.pos_emb[:T]
-        cond = F.silu(cond).to(dt)
-        h = self.inp(window.reshape(B * T, C, H, W).to(dt))  # (B*T, ch, h/2, w/2)
-        h = h.reshape(B, T, *h.shape[1:]).transpose(1, 2)    # (B, ch, T, h/2, w/2)
-        causal = torch.ones(T, T, dtype=torch.bool, device=window.device).triu(1)
+        ctx = ctx.masked_fill(pad[:, :, None, None, None], 0.0)  # padded slots carry no content
+        a = self.action_emb(actions_in.to(dt))
+        slot_c = self.slot_emb(pad.long())                         # 0 context, 1 padding
+        cond_c = self.sigma_emb(ctx_c_noise.reshape(-1)).unflatten(0, (B, K)) + a[:, :K] + slot_c + self.pos_emb[:K]
+        cond_t = self.sigma_emb(tgt_c_noise.reshape(-1)).unflatten(0, (B, V)) + a[:, K:] \
+            + self.slot_emb.weight[2] + self.pos_emb[K]
+        cond_c, cond_t = F.silu(cond_c).to(dt), F.silu(cond_t).to(dt)
+        h_c, h_t = self._tokens(ctx), self._tokens(tgt)
         for blk in self.blocks:
-            h = blk(h, cond, causal, pad)
-        last = h[:, :, -1]  # (B, ch, h/2, w/2): only the target slot is read out
-        return self.out(F.silu(self.up(F.silu(self.norm_out(last))))).float()
+            h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
+        h = h_t.flatten(0, 1)  # (B*V, ch, h/2, w/2): only the target slot is read out
+        return self.out(F.silu(self.up(F.silu(self.norm_out(h))))).float().unflatten(0, (B, V))
 
 
 class Stage2(nn.Module):
@@ -154,37 +195,37 @@ class Stage2(nn.Module):
         return y / self.cfg.sigma_data * self.cfg.z_std + self.cfg.z_mean
 
     def denoise(self, x_t, sigma, ctx, ctx_sigma, actions, n_valid):
-        """Consistency function on normalised latents.
+        """Consistency function on normalised latents, for V target variants sharing one context.
 
-        x_t (B, C, h, w) noisy target; sigma (B,); ctx (B, K, C, h, w) normalised context (already noised
-        at ctx_sigma (B,)); actions (B, K, 2) raw actions, actions[:, i] taken at context frame i;
-        n_valid (B,) how many of the K context slots are real (the rest, at the start, are padding)."""
+        x_t (B, V, C, h, w) noisy targets at sigma (B, V); ctx (B, K, C, h, w) normalised context, already
+        noised at ctx_sigma (B,); actions (B, K, 2) raw actions (actions[:, i] taken at context frame i);
+        n_valid (B,) how many of the K context slots are real (the earlier ones are padding).
+        Returns x0_hat (B, V, C, h, w)."""
         c = self.cfg
         B, K = ctx.shape[:2]
-        s = sigma.float()[:, None, None, None]
+        s = sigma.float()[..., None, None, None]
         c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)
         c_out = schedule.c_out(s, c.sigma_data, c.sigma_min)
-        ctx_scale = schedule.c_in(ctx_sigma.float(), c.sigma_data)[:, None, None, None, None]
-        window = torch.cat([ctx * ctx_scale, (schedule.c_in(s, c.sigma_data) * x_t)[:, None]], dim=1)  # (B, K+1, C, h, w)
-        # the action leading into slot i is the action taken at slot i-1; slot 0 has none (zeros)
+        ctx_in = ctx * schedule.c_in(ctx_sigma.float(), c.sigma_data)[:, None, None, None, None]
+        # the action leading into slot i is the action taken at slot i-1; nothing led into slot 0
         a = actions.float() / c.action_scale * 2 - 1
         actions_in = torch.cat([torch.zeros_like(a[:, :1]), a], dim=1)  # (B, K+1, 2)
         idx = torch.arange(K + 1, device=ctx.device)[None]
-        padded = idx < (K - n_valid)[:, None]
-        slot = torch.where(padded, 1, 0)
-        slot[:, -1] = 2
-        no_action = idx <= (K - n_valid)[:, None]  # padded slots and the first real one: nothing led into them
-        actions_in = actions_in.masked_fill(no_action[..., None], 0.0)
-        c_noise = torch.cat([schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K),
-                             schedule.c_noise(sigma.float())[:, None]], dim=1)
-        F_x = self.net(window, actions_in, c_noise, slot)
+        actions_in = actions_in.masked_fill((idx <= (K - n_valid)[:, None])[..., None], 0.0)
+        pad = idx[:, :K] < (K - n_valid)[:, None]
+        ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
+        F_x = self.net(ctx_in, ctx_noise, actions_in, pad, schedule.c_in(s, c.sigma_data) * x_t,
+                       schedule.c_noise(sigma.float()))
         return c_skip * x_t.float() + c_out * F_x
 
     def forward(self, batch, step: int):
         return self.loss(batch, step)
 
     def loss(self, batch, step: int):
-        """batch: (ctx (B, K, C, h, w) raw latents, actions (B, K, 2), target (B, C, h, w), n_valid (B,))."""
+        """batch: (ctx (B, K, C, h, w) raw latents, actions (B, K, 2), target (B, C, h, w), n_valid (B,)).
+
+        The three targets of the objective - x at sigma_{i+1} (online), at sigma_i (stop-gradient
+        target) and at sigma_max (the one-step jump) - run as three variants over one context pass."""
         c = self.cfg
         ctx, actions, target, n_valid = batch
         B = target.shape[0]
@@ -195,16 +236,16 @@ class Stage2(nn.Module):
         sigmas = schedule.karras_sigmas(n, c.sigma_min, c.sigma_max).to(x.device)
         idx = torch.multinomial(schedule.lognormal_index_probs(sigmas), B, replacement=True).to(x.device)
         s_lo, s_hi = sigmas[idx], sigmas[idx + 1]
+        s_max = torch.full_like(s_hi, c.sigma_max)
         eps = torch.randn_like(x)
-        x_hi = self.denoise(x + s_hi[:, None, None, None] * eps, s_hi, ctx, ctx_sigma, actions, n_valid)
-        with torch.no_grad():
-            x_lo = self.denoise(x + s_lo[:, None, None, None] * eps, s_lo, ctx, ctx_sigma, actions, n_valid)
+        x_t = torch.stack([x + s_hi[:, None, None, None] * eps, x + s_lo[:, None, None, None] * eps,
+                           torch.randn_like(x) * c.sigma_max], dim=1)  # (B, 3, C, h, w)
+        out = self.denoise(x_t, torch.stack([s_hi, s_lo, s_max], dim=1), ctx, ctx_sigma, actions, n_valid)
+        x_hi, x_lo, x_one = out[:, 0], out[:, 1].detach(), out[:, 2]
         w = 1.0 / (s_hi - s_lo)
         huber_c = 0.00054 * (x[0].numel() ** 0.5)
         ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
         dsm = (x_hi - x).pow(2).mean()
-        s_max = torch.full((B,), c.sigma_max, device=x.device)
-        x_one = self.denoise(torch.randn_like(x) * c.sigma_max, s_max, ctx, ctx_sigma, actions, n_valid)
         one = (x_one - x).pow(2).mean()
         loss = 0.1 * ct + dsm + one
         return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
@@ -222,7 +263,7 @@ class Stage2(nn.Module):
             ctx_noise = torch.randn(ctx.shape, generator=generator, device=generator.device if generator else ctx.device).to(ctx.device)
         ctx = ctx + c.ctx_sigma * ctx_noise
         sig = schedule.sampling_sigmas(steps, c.sigma_max, c.sigma_mid, c.sigma_min)
-        y = consistency_sample(lambda x_t, s: self.denoise(x_t, s, ctx, ctx_sigma, actions, n_valid),
+        y = consistency_sample(lambda x_t, s: self.denoise(x_t[:, None], s[:, None], ctx, ctx_sigma, actions, n_valid)[:, 0],
                                (B, c.latent_ch, c.latent_size, c.latent_size), sig, c.sigma_min,
                                generator=generator, device=ctx.device)
         return self.unnorm(y)

@@ -90,3 +90,18 @@ def test_stage2_needs_a_stage1(tiny_dataset, tmp_path):
     proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tmp_path / "nothing", "--out", tmp_path / "o",
                    "--steps", 2, "--preset", "tiny", check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_target_variants_share_the_context_exactly():
+    """Running 3 noisy targets over one context pass equals running each alone (the context is causal)."""
+    m = _randomised()
+    ctx, act = _inputs()
+    nv = torch.tensor([3, 2])
+    g = torch.Generator().manual_seed(1)
+    x_t = torch.randn(2, 3, 8, 16, 16, generator=g)
+    sig = torch.tensor([[0.5, 2.0, 80.0], [0.1, 1.0, 10.0]])
+    cs = torch.tensor([0.01, 0.05])
+    joint = m.denoise(x_t, sig, ctx, cs, act, nv)
+    for v in range(3):
+        alone = m.denoise(x_t[:, v : v + 1], sig[:, v : v + 1], ctx, cs, act, nv)
+        torch.testing.assert_close(joint[:, v : v + 1], alone, rtol=1e-4, atol=1e-5)
