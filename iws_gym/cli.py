@@ -41,6 +41,12 @@ def cmd_eval_fidelity(a):
     _emit(report, a.json, summary_only=True)
 
 
+def cmd_eval_policy(a):
+    from .policy_eval import evaluate_policy
+
+    _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device), a.json)
+
+
 def cmd_eval_recon(a):
     from .evaluate import reconstruction
 
@@ -119,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)
+
+    epo = esub.add_parser("policy", help="Monte-Carlo policy evaluation in the learned env (and the ground truth)")
+    epo.add_argument("--task", default="tpushing")
+    epo.add_argument("--policy", required=True, help="MODULE:CALLABLE, e.g. iws_gym.policies:FramePusher")
+    epo.add_argument("--episodes", type=int, default=50)
+    epo.add_argument("--horizon", type=int, default=300)
+    epo.add_argument("--seed", type=int, default=0)
+    epo.add_argument("--ground-truth", action="store_true", help="also run the same starts in gym-pusht")
+    epo.add_argument("--checkpoint", default=None)
+    epo.add_argument("--device", default="auto")
+    epo.add_argument("--json", default=None)
+    epo.set_defaults(fn=cmd_eval_policy)
 
     er = esub.add_parser("recon", help="stage-1 reconstruction quality and speed on held-out frames")
     er.add_argument("--task", default="tpushing")

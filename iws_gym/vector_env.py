@@ -120,8 +120,18 @@ class WorldSimVectorEnv(VectorEnv):
         options = options or {}
         mask = options.get("reset_mask")
         idx = np.arange(self.num_envs) if mask is None or self._state is None else np.flatnonzero(mask)
-        shared = {k: v for k, v in options.items() if k != "reset_mask"}  # options apply to every env reset
-        self._reset_envs(idx, [shared] * len(idx))
+        # per-env starts: options["reset_to_states"] (N, 5) or options["initial_frames"] (N, H, W, 3);
+        # any other option applies to every env being reset
+        shared = {k: v for k, v in options.items() if k not in ("reset_mask", "reset_to_states", "initial_frames")}
+        per_env = [dict(shared) for _ in idx]
+        for plural, single in (("reset_to_states", "reset_to_state"), ("initial_frames", "initial_frame")):
+            if options.get(plural) is not None:
+                vals = options[plural]
+                if len(vals) != self.num_envs:
+                    raise ValueError(f"options[{plural!r}] needs one entry per env ({self.num_envs}), got {len(vals)}")
+                for d, i in zip(per_env, idx):
+                    d[single] = vals[i]
+        self._reset_envs(idx, per_env)
         scores = self.scorer(self._frames)
         infos = {}
         for i in range(self.num_envs):
