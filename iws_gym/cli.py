@@ -65,6 +65,12 @@ def cmd_demo(a):
     _emit(demo(a.checkpoint, a.episodes, a.steps, a.seed, Path(a.video) if a.video else None, a.device), a.json)
 
 
+def cmd_bench(a):
+    from .bench import bench
+
+    _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps), a.json)
+
+
 def cmd_release(a):
     from .release import release
 
@@ -154,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto")
     d.add_argument("--json", default=None)
     d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="speed of the learned env on this device (latency, throughput, FLOPs, RSS)")
+    b.add_argument("--checkpoint", default=None)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--steps", type=int, default=200, help="single-env steps timed")
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    b.add_argument("--batch-steps", type=int, default=20)
+    b.add_argument("--rollout-steps", type=int, default=9000, help="long rollout for RSS / latency drift")
+    b.add_argument("--json", default=None)
+    b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
     r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json")
