@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .groundtruth import AGENT_RADIUS, GOAL_POSE, T_BAR, T_COG, T_STEM, rot, wrap_angle
+from .groundtruth import AGENT_RADIUS, GOAL_POSE, T_COG, rot, wrap_angle
 
 LO, HI = 20.0, 492.0  # keep targets off the walls (walls at 5 and 506)
 

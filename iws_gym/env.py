@@ -75,6 +75,60 @@ def check_frame(frame, size: int) -> np.ndarray:
     return np.ascontiguousarray(f)
 
 
+def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
+                world_model, decoder_steps, dynamics_steps):
+    """What the single and the vector env share: task, world model, scorer, single-env spaces."""
+    from .world_model import WorldModel
+
+    if obs_type not in ("pixels_agent_pos", "pixels"):
+        raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
+    env.task = load_task(task)
+    env.wm = world_model or WorldModel.from_pretrained(checkpoint or env.task.checkpoint_path, device=device,
+                                                       stages=("stage1", "stage2"))
+    if decoder_steps:
+        env.wm.decoder_steps = decoder_steps
+    if dynamics_steps:
+        env.wm.dynamics_steps = dynamics_steps
+    env.obs_type, env.size = obs_type, env.task.frame_size
+    env.obs_hw = (observation_height, observation_width)
+    env.scorer = scorer or TPushCoverageScorer(frame_size=env.size)
+    action_space = spaces.Box(env.task.action_low, env.task.action_high, (2,), np.float32)
+    pixels = spaces.Box(0, 255, (observation_height, observation_width, 3), np.uint8)
+    obs_space = pixels if obs_type == "pixels" else spaces.Dict(
+        {"pixels": pixels, "agent_pos": spaces.Box(0, 512, (2,), np.float64)})
+    return action_space, obs_space
+
+
+def read_agent(frame, fallback) -> np.ndarray:
+    """agent_pos as the frame shows it (the learned world has no other source)."""
+    p = agent_position(frame)
+    return np.clip(p, 0, 512) if p is not None else np.asarray(fallback, np.float64)
+
+
+def start_frame(options: dict, size: int, gt_env, np_random, task) -> tuple[np.ndarray, np.ndarray]:
+    """The real frame an episode starts from, and its agent position (see the class docstring)."""
+    if options.get("initial_frame") is not None:
+        frame = check_frame(options["initial_frame"], size)
+        agent = options.get("agent_pos")
+        return frame, (np.asarray(agent, np.float64) if agent is not None else read_agent(frame, np.full(2, 256.0)))
+    if options.get("reset_to_state") is not None:
+        state = np.asarray(options["reset_to_state"], dtype=np.float64)
+        if state.shape != (5,) or not np.all(np.isfinite(state)):
+            raise ValueError(f"reset_to_state must be 5 finite numbers [agent x, y, block x, y, angle], got {state.tolist()}")
+        return render_state(state, size, gt_env), state[:2].copy()
+    obs, _ = gt_env.reset(seed=task.heldout_seed_base + int(np_random.integers(N_START_SEEDS)))
+    return obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
+
+
+def resize_obs(frames: np.ndarray, hw) -> np.ndarray:
+    """(..., H, W, 3) frames resized to hw (INTER_AREA), or returned as they are."""
+    if tuple(frames.shape[-3:-1]) == tuple(hw):
+        return frames.copy()
+    if frames.ndim == 3:
+        return cv2.resize(frames, hw[::-1], interpolation=cv2.INTER_AREA)
+    return np.stack([cv2.resize(f, hw[::-1], interpolation=cv2.INTER_AREA) for f in frames])
+
+
 class WorldSimEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array", "human"], "render_fps": 10}
 
@@ -82,27 +136,12 @@ class WorldSimEnv(gym.Env):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None,
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
                  dynamics_steps: int | None = None, task: str = "tpushing", world_model=None):
-        from .world_model import WorldModel
-
-        if obs_type not in ("pixels_agent_pos", "pixels"):
-            raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
-        self.task = load_task(task)
-        self.wm = world_model or WorldModel.from_pretrained(checkpoint or self.task.checkpoint_path, device=device,
-                                                            stages=("stage1", "stage2"))
-        if decoder_steps:
-            self.wm.decoder_steps = decoder_steps
-        if dynamics_steps:
-            self.wm.dynamics_steps = dynamics_steps
-        self.obs_type, self.render_mode = obs_type, render_mode
-        self.size = self.task.frame_size
-        self.obs_hw = (observation_height, observation_width)
-        self.scorer = scorer or TPushCoverageScorer(frame_size=self.size)
-        self.action_space = spaces.Box(self.task.action_low, self.task.action_high, (2,), np.float32)
-        pixels = spaces.Box(0, 255, (observation_height, observation_width, 3), np.uint8)
-        self.observation_space = pixels if obs_type == "pixels" else spaces.Dict(
-            {"pixels": pixels, "agent_pos": spaces.Box(0, 512, (2,), np.float64)})
+        self.render_mode = render_mode
+        self.action_space, self.observation_space = setup_world(
+            self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
+            decoder_steps, dynamics_steps)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None
@@ -110,12 +149,8 @@ class WorldSimEnv(gym.Env):
 
     # ---- helpers
     def _obs(self):
-        f = self._frame
-        if self.obs_hw != f.shape[:2]:
-            f = cv2.resize(f, self.obs_hw[::-1], interpolation=cv2.INTER_AREA)
-        if self.obs_type == "pixels":
-            return f
-        return {"pixels": f, "agent_pos": self._agent.astype(np.float64)}
+        f = resize_obs(self._frame, self.obs_hw)
+        return f if self.obs_type == "pixels" else {"pixels": f, "agent_pos": self._agent.astype(np.float64)}
 
     def _ground_truth_env(self):
         if self._gt_env is None:
@@ -124,29 +159,12 @@ class WorldSimEnv(gym.Env):
             self._gt_env = make_env(self.size)
         return self._gt_env
 
-    def _read_agent(self, frame, fallback):
-        p = agent_position(frame)
-        return np.clip(p, 0, 512) if p is not None else fallback
-
     # ---- Gymnasium API
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         options = options or {}
         self._gen.manual_seed(int(self.np_random.integers(2**31 - 1)))
-        if options.get("initial_frame") is not None:
-            frame = check_frame(options["initial_frame"], self.size)
-            agent = options.get("agent_pos")
-            agent = np.asarray(agent, np.float64) if agent is not None else self._read_agent(frame, np.full(2, 256.0))
-        elif options.get("reset_to_state") is not None:
-            state = np.asarray(options["reset_to_state"], dtype=np.float64)
-            if state.shape != (5,) or not np.all(np.isfinite(state)):
-                raise ValueError(f"reset_to_state must be 5 finite numbers [agent x, y, block x, y, angle], got {state.tolist()}")
-            frame = render_state(state, self.size, self._ground_truth_env())
-            agent = state[:2].copy()
-        else:
-            gt = self._ground_truth_env()
-            obs, _ = gt.reset(seed=self.task.heldout_seed_base + int(self.np_random.integers(N_START_SEEDS)))
-            frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
+        frame, agent = start_frame(options, self.size, self._ground_truth_env(), self.np_random, self.task)
         self._frame, self._agent = frame, agent
         self._state = self.wm.start(self.wm.encode(frame[None]))
         score = self.scorer(frame[None])[0]
@@ -161,7 +179,7 @@ class WorldSimEnv(gym.Env):
         a = check_action(action, self.task.action_low, self.task.action_high)
         z = self.wm.advance(self._state, torch.from_numpy(a)[None], generator=self._gen)
         self._frame = self.wm.decode(z, generator=self._gen)[0]
-        self._agent = self._read_agent(self._frame, self._agent)
+        self._agent = read_agent(self._frame, self._agent)
         score = self.scorer(self._frame[None])[0]
         info = {"is_success": score.is_success, **score.info}
         if self.render_mode == "human":

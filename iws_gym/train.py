@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import atomic_torch_save, config_to_dict, save_release
+from .checkpoint import atomic_torch_save, config_to_dict
 
 
 @dataclass

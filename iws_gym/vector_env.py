@@ -12,18 +12,13 @@ info["final_info"]).
 """
 from __future__ import annotations
 
-import cv2
 import numpy as np
 import torch
-from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from .env import N_START_SEEDS, check_action, check_frame
-from .groundtruth import make_env, render_state
-from .pose import agent_position
-from .scorer import TPushCoverageScorer
-from .tasks import load_task
+from .env import check_action, read_agent, resize_obs, setup_world, start_frame
+from .groundtruth import make_env
 
 
 class WorldSimVectorEnv(VectorEnv):
@@ -33,32 +28,17 @@ class WorldSimVectorEnv(VectorEnv):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None, device: str = "auto",
                  scorer=None, task: str = "tpushing", max_episode_steps: int | None = 300,
                  autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None):
-        from .world_model import WorldModel
-
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        if obs_type not in ("pixels_agent_pos", "pixels"):
-            raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"the vector env renders 'rgb_array' only, got {render_mode!r}")
-        self.task = load_task(task)
-        self.wm = world_model or WorldModel.from_pretrained(checkpoint or self.task.checkpoint_path, device=device,
-                                                            stages=("stage1", "stage2"))
-        if decoder_steps:
-            self.wm.decoder_steps = decoder_steps
-        if dynamics_steps:
-            self.wm.dynamics_steps = dynamics_steps
-        self.num_envs, self.render_mode, self.obs_type = num_envs, render_mode, obs_type
+        self.single_action_space, self.single_observation_space = setup_world(
+            self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
+            decoder_steps, dynamics_steps)
+        self.num_envs, self.render_mode = num_envs, render_mode
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
         self.max_episode_steps = max_episode_steps
-        self.size = self.task.frame_size
-        self.obs_hw = (observation_height, observation_width)
-        self.scorer = scorer or TPushCoverageScorer(frame_size=self.size)
-        self.single_action_space = spaces.Box(self.task.action_low, self.task.action_high, (2,), np.float32)
-        pixels = spaces.Box(0, 255, (observation_height, observation_width, 3), np.uint8)
-        self.single_observation_space = pixels if obs_type == "pixels" else spaces.Dict(
-            {"pixels": pixels, "agent_pos": spaces.Box(0, 512, (2,), np.float64)})
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self._gt = make_env(self.size)
@@ -70,23 +50,9 @@ class WorldSimVectorEnv(VectorEnv):
         self._needs_reset = np.zeros(num_envs, dtype=bool)
 
     # ---- helpers
-    def _start_frame(self, options: dict | None):
-        options = options or {}
-        if options.get("initial_frame") is not None:
-            frame = check_frame(options["initial_frame"], self.size)
-            agent = options.get("agent_pos")
-            return frame, (np.asarray(agent, np.float64) if agent is not None else agent_position(frame))
-        if options.get("reset_to_state") is not None:
-            state = np.asarray(options["reset_to_state"], dtype=np.float64)
-            if state.shape != (5,) or not np.all(np.isfinite(state)):
-                raise ValueError(f"reset_to_state must be 5 finite numbers, got {state.tolist()}")
-            return render_state(state, self.size, self._gt), state[:2].copy()
-        obs, _ = self._gt.reset(seed=self.task.heldout_seed_base + int(self.np_random.integers(N_START_SEEDS)))
-        return obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
-
     def _reset_envs(self, idx, options_list):
         """Reset envs `idx` in place: new start frames, encoded in one batch, spliced into the context."""
-        starts = [self._start_frame(o) for o in options_list]
+        starts = [start_frame(o or {}, self.size, self._gt, self.np_random, self.task) for o in options_list]
         frames = np.stack([f for f, _ in starts])
         z0 = self.wm.encode(frames)
         fresh = self.wm.start(z0)
@@ -103,11 +69,7 @@ class WorldSimVectorEnv(VectorEnv):
         self._needs_reset[idx] = False
 
     def _obs(self):
-        f = self._frames
-        if self.obs_hw != f.shape[1:3]:
-            f = np.stack([cv2.resize(x, self.obs_hw[::-1], interpolation=cv2.INTER_AREA) for x in f])
-        else:
-            f = f.copy()
+        f = resize_obs(self._frames, self.obs_hw)
         return f if self.obs_type == "pixels" else {"pixels": f, "agent_pos": self._agents.copy()}
 
     def _single_obs(self, obs, i):
@@ -152,9 +114,7 @@ class WorldSimVectorEnv(VectorEnv):
         frames = self.wm.decode(z, generator=self._gen)
         self._frames[stepping] = frames[stepping]  # the resetting envs' slices are overwritten below
         for i in stepping:
-            p = agent_position(self._frames[i])
-            if p is not None:
-                self._agents[i] = np.clip(p, 0, 512)
+            self._agents[i] = read_agent(self._frames[i], self._agents[i])
         self._elapsed[stepping] += 1
         if len(resetting):
             self._reset_envs(resetting, [{}] * len(resetting))

@@ -111,7 +111,7 @@ def test_recon_command_reports_quality_and_latency(tiny_stage1, tmp_path):
 
 def test_release_writes_weights_and_provenance(tiny_stage1, tmp_path):
     dest = tmp_path / "ck"
-    proc = run_iws("release", "--run", tiny_stage1, "--stage", "stage1", "--dest", dest)
+    run_iws("release", "--run", tiny_stage1, "--stage", "stage1", "--dest", dest)
     prov = json.loads((dest / "provenance.json").read_text())["stage1"]
     assert prov["command"].startswith("iws train stage1 --data") and prov["data_seed"] == 7 and prov["steps"] == 12
     assert (dest / "stage1.safetensors").is_file() and "## stage1" in (dest / "PROVENANCE.md").read_text()
