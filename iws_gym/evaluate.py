@@ -166,14 +166,15 @@ def plot_per_step(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, steps_list=(1, 2, 4)) -> dict:
+def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, steps_list=(1, 2, 4),
+                   sigma_mids=()) -> dict:
     """Stage-1 quality on held-out frames: PSNR/SSIM per decoder step count, pose error of the
     reconstruction against the pose read from the original, and encode+decode latency at batch 1."""
     import torch
 
     from .world_model import WorldModel
 
-    wm = WorldModel.from_pretrained(checkpoint, stages=("stage1",))
+    wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, stages=("stage1",))
     n_eps = max(1, frames // 32)
     eps = list(heldout_episodes(task, n_eps, 64))
     x = np.concatenate([e["frames"][::2][:32] for e in eps])[:frames]
@@ -199,6 +200,16 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
             ts.append(time.perf_counter() - t0)
         report["by_steps"][steps]["encode_decode_ms_p50"] = 1000 * float(np.median(ts))
         report["by_steps"][steps]["encode_decode_ms_p95"] = 1000 * float(np.percentile(ts, 95))
+    # multistep sampling: quality of 2 steps as a function of the second noise level
+    if sigma_mids:
+        default = wm.stage1.decoder.cfg.sigma_mid
+        report["two_step_psnr_by_sigma_mid"] = {}
+        for sm in sigma_mids:
+            wm.stage1.decoder.cfg.sigma_mid = float(sm)
+            report["two_step_psnr_by_sigma_mid"][str(sm)] = float(metrics.psnr(wm.reconstruct(x, steps=2, seed=0), x).mean())
+        wm.stage1.decoder.cfg.sigma_mid = default
+    report["sigma_mid"] = wm.stage1.decoder.cfg.sigma_mid
     report["torch_threads"] = torch.get_num_threads()
-    report["command"] = f"iws eval recon --task {task.name} --checkpoint {checkpoint} --frames {frames} --steps {' '.join(map(str, steps_list))}"
+    report["command"] = (f"iws eval recon --task {task.name} --checkpoint {checkpoint} --frames {frames} --steps "
+                         f"{' '.join(map(str, steps_list))}" + (f" --sigma-mid {' '.join(map(str, sigma_mids))}" if sigma_mids else ""))
     return report
