@@ -141,26 +141,58 @@ class Stage1(nn.Module):
 
     def loss(self, x: torch.Tensor, step: int):
         """x: (B, 3, H, W) frames in [-1, 1]."""
-        c, dc = self.cfg, self.cfg.decoder
-        B = x.shape[0]
+        c = self.cfg
         z = self.encoder(x)
         z = z + c.z_noise * torch.randn_like(z)
-        zfeat = self.decoder.z_features(z)
-        n = schedule.ict_num_scales(step, c.total_steps)
-        sigmas = schedule.karras_sigmas(n, dc.sigma_min, dc.sigma_max).to(x.device)
-        idx = torch.multinomial(schedule.lognormal_index_probs(sigmas), B, replacement=True).to(x.device)
-        s_lo, s_hi = sigmas[idx], sigmas[idx + 1]
-        eps = torch.randn_like(x)
-        x_hi = self.decoder(x + s_hi[:, None, None, None] * eps, s_hi, zfeat)
-        with torch.no_grad():  # stop-gradient target one level lower on the same trajectory
-            x_lo = self.decoder(x + s_lo[:, None, None, None] * eps, s_lo, tuple(t.detach() for t in zfeat))
-        w = 1.0 / (s_hi - s_lo)
-        huber_c = 0.00054 * (x[0].numel() ** 0.5)
-        ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
-        dsm = (x_hi - x).float().pow(2).mean()
-        # The one-step jump from pure noise is what `decode(steps=1)` runs: train it directly every batch.
-        s_max = torch.full((B,), dc.sigma_max, device=x.device)
-        x_one = self.decoder(torch.randn_like(x) * dc.sigma_max, s_max, zfeat)
-        one = (x_one - x).float().pow(2).mean()
-        loss = c.ct_weight * ct + c.dsm_weight * (dsm + one)
-        return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
+        return decoder_loss(self.decoder, x, z, step, c.total_steps, c.ct_weight, c.dsm_weight)
+
+
+def decoder_loss(decoder: ConsistencyDecoder, x: torch.Tensor, z: torch.Tensor, step: int, total_steps: int,
+                 ct_weight: float, dsm_weight: float):
+    """The consistency decoder's objective for frames x (B, 3, H, W) in [-1, 1] given latents z (see the
+    module docstring); shared by stage 1 (z from the encoder) and stage 3 (z predicted by the dynamics)."""
+    dc = decoder.cfg
+    B = x.shape[0]
+    zfeat = decoder.z_features(z)
+    n = schedule.ict_num_scales(step, total_steps)
+    sigmas = schedule.karras_sigmas(n, dc.sigma_min, dc.sigma_max).to(x.device)
+    idx = torch.multinomial(schedule.lognormal_index_probs(sigmas), B, replacement=True).to(x.device)
+    s_lo, s_hi = sigmas[idx], sigmas[idx + 1]
+    eps = torch.randn_like(x)
+    x_hi = decoder(x + s_hi[:, None, None, None] * eps, s_hi, zfeat)
+    with torch.no_grad():  # stop-gradient target one level lower on the same trajectory
+        x_lo = decoder(x + s_lo[:, None, None, None] * eps, s_lo, tuple(t.detach() for t in zfeat))
+    w = 1.0 / (s_hi - s_lo)
+    huber_c = 0.00054 * (x[0].numel() ** 0.5)
+    ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
+    dsm = (x_hi - x).float().pow(2).mean()
+    # The one-step jump from pure noise is what `decode(steps=1)` runs: train it directly every batch.
+    s_max = torch.full((B,), dc.sigma_max, device=x.device)
+    x_one = decoder(torch.randn_like(x) * dc.sigma_max, s_max, zfeat)
+    one = (x_one - x).float().pow(2).mean()
+    loss = ct_weight * ct + dsm_weight * (dsm + one)
+    return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
+
+
+@dataclass
+class Stage3Config:
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    ct_weight: float = 0.1
+    dsm_weight: float = 1.0
+    rollout_depth: int = 4         # predicted latents come from 1..rollout_depth open-loop dynamics steps
+    total_steps: int = 5000
+
+
+class Stage3(nn.Module):
+    """Stage 3: the stage-1 decoder fine-tuned on latents predicted by the frozen dynamics, so it renders
+    the frame the dynamics meant even when its latent is off the encoder's manifold."""
+
+    def __init__(self, cfg: Stage3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.decoder = ConsistencyDecoder(cfg.decoder)
+
+    def forward(self, batch, step: int):
+        x, z_pred = batch
+        c = self.cfg
+        return decoder_loss(self.decoder, x, z_pred, step, c.total_steps, c.ct_weight, c.dsm_weight)

@@ -130,19 +130,15 @@ class Stage2Stage:
     channels_last = False  # 5D activations (B, C, T, h, w)
 
     def __init__(self, a, device):
-        from .checkpoint import load_release, load_state_checked
         from .decoder import Stage1, Stage1Config
         from .dynamics import DynamicsConfig, Stage2
 
         self.a, self.device = a, device
         self.meta = load_meta(a.data)
         self.task = load_task(self.meta["task"])
-        f1 = find_release(a.init or self.task.checkpoint_path, "stage1")
-        cfg1, sd1, self.stage1_meta = load_release(f1, "stage1", Stage1Config)
-        self.stage1 = Stage1(cfg1)
-        load_state_checked(self.stage1, sd1, f1)
-        self.stage1 = self.stage1.to(device).eval().requires_grad_(False)
-        self.stage1_file = str(f1)
+        self.stage1, self.stage1_meta, self.stage1_file = load_stage(a.init or self.task.checkpoint_path, "stage1",
+                                                                     Stage1Config, Stage1, device)
+        cfg1 = self.stage1.cfg
         eps = InMemoryEpisodes.load(a.data, a.max_episodes)
         self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
@@ -180,7 +176,96 @@ class Stage2Stage:
         save_release(out / "stage2.safetensors", ema.state_dict(), "stage2", self.config, extra)
 
 
-STAGES = {"stage1": Stage1Stage, "stage2": Stage2Stage}
+def load_stage(path, name, kind_cls, model_cls, device):
+    """A frozen released stage from a file or directory."""
+    from .checkpoint import load_release, load_state_checked
+
+    f = find_release(path, name)
+    cfg, sd, meta = load_release(f, name, kind_cls)
+    model = model_cls(cfg)
+    load_state_checked(model, sd, f)
+    return model.to(device).eval().requires_grad_(False), meta, str(f)
+
+
+class Stage3Stage:
+    """Decoder fine-tuning on predicted latents (`--init`: a directory with stage1 and stage2 releases)."""
+
+    name = "stage3"
+    channels_last = True
+
+    def __init__(self, a, device):
+        from .decoder import Stage1, Stage1Config, Stage3, Stage3Config
+        from .dynamics import DynamicsConfig, Stage2
+
+        self.a, self.device = a, device
+        self.meta = load_meta(a.data)
+        self.task = load_task(self.meta["task"])
+        init = a.init or self.task.checkpoint_path
+        self.stage1, _, self.f1 = load_stage(init, "stage1", Stage1Config, Stage1, device)
+        self.stage2, _, self.f2 = load_stage(init, "stage2", DynamicsConfig, Stage2, device)
+        self.episodes = InMemoryEpisodes.load(a.data, a.max_episodes)
+        self.data = LatentEpisodes(self.episodes, self.stage1.encoder, device, amp=a.amp)
+        self.config = Stage3Config(decoder=self.stage1.cfg.decoder, total_steps=a.steps)
+        self.model = Stage3(self.config)
+        self.model.decoder.load_state_dict(self.stage1.decoder.state_dict())
+        held = list(heldout_episodes(self.task, 4, 48))
+        self.held_frames = [e["frames"] for e in held]
+        self.held = LatentEpisodes(InMemoryEpisodes(self.held_frames, [e["actions"] for e in held], []),
+                                   self.stage1.encoder, device, amp=a.amp)
+        self.eval_batch = self._batch(np.random.default_rng(0), 32, self.held, self.held_frames)
+
+    def _batch(self, rng, batch, lat: "LatentEpisodes", frames):
+        """Frames x_{t+1} and latents predicted for them by `depth` open-loop dynamics steps."""
+        K, R = self.stage2.cfg.context, self.config.rollout_depth
+        depth = int(rng.integers(1, R + 1))
+        ctx, act, nv, tgt = [], [], [], []
+        for e in rng.integers(0, len(lat.latents), batch):
+            Z, A = lat.latents[e], lat.actions[e]
+            t0 = int(rng.integers(0, len(A) - depth + 1))   # last real context frame
+            n_valid = min(K, t0 + 1)
+            idx = np.clip(np.arange(t0 - K + 1, t0 + 1), t0 - n_valid + 1, None)
+            ctx.append(Z[idx])
+            a = np.zeros((K + depth - 1, 2), np.float32)
+            a[: K] = A[idx]
+            a[: K - n_valid] = 0.0
+            a[K:] = A[t0 + 1 : t0 + depth]
+            act.append(a)
+            nv.append(n_valid)
+            tgt.append(frames[e][t0 + depth])
+        ctx = torch.stack(ctx).float().to(self.device)
+        act = torch.from_numpy(np.stack(act)).to(self.device)
+        nv = torch.tensor(nv, device=self.device)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.a.amp):
+            for d in range(depth):  # roll the frozen dynamics open loop
+                z = self.stage2.predict(ctx, act[:, d : d + K], nv, steps=1)
+                ctx = torch.cat([ctx[:, 1:], z[:, None].float()], dim=1)
+                nv = (nv + 1).clamp(max=K)
+        return frames_to_tensor(np.stack(tgt), self.device), z.float()
+
+    def sample_batch(self, rng, batch):
+        return self._batch(rng, batch, self.data, self.episodes.frames)
+
+    def after_step(self, model, step):
+        pass
+
+    def evaluate(self, ema) -> dict:
+        from .decoder import decode
+
+        x, z = self.eval_batch
+        out = {}
+        for name, dec in (("stage3", ema.decoder), ("stage1", self.stage1.decoder)):
+            pred = decode(dec, z, 1, generator=torch.Generator().manual_seed(0))
+            out[f"psnr_predicted_latents_{name}_decoder"] = psnr(pred, x).mean().item()
+        return out
+
+    def export(self, ema, out, result):
+        extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
+                     stage1=self.f1, stage2=self.f2, commit=git_commit(), step=result["step"], eval=result["eval"],
+                     task=self.task.name)
+        save_release(out / "stage3.safetensors", ema.state_dict(), "stage3", self.config, extra)
+
+
+STAGES = {"stage1": Stage1Stage, "stage2": Stage2Stage, "stage3": Stage3Stage}
 
 
 def default_args(stage: str):
@@ -190,4 +275,6 @@ def default_args(stage: str):
         return TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3, crop=64)
     if stage == "stage2":
         return TrainArgs(out="runs/stage2", steps=20000, batch=32, lr=5e-4)
+    if stage == "stage3":
+        return TrainArgs(out="runs/stage3", steps=5000, batch=16, lr=2e-4, warmup=100)
     raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES)}")

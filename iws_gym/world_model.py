@@ -18,7 +18,7 @@ from .checkpoint import load_release, load_state_checked
 from .decoder import Stage1, Stage1Config, decode
 from .stages import frames_to_tensor, tensor_to_frames
 
-STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors"}
+STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors", "stage3": "stage3.safetensors"}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -54,6 +54,14 @@ class WorldModel:
             cfg2, sd2, metas["stage2"] = load_release(f2, "stage2", DynamicsConfig)
             stage2 = Stage2(cfg2)
             load_state_checked(stage2, sd2, f2)
+            f3 = path / STAGE_FILES["stage3"]
+            if f3.is_file():  # stage 3: a decoder fine-tuned on predicted latents renders the rollouts
+                from .decoder import Stage3, Stage3Config
+
+                cfg3, sd3, metas["stage3"] = load_release(f3, "stage3", Stage3Config)
+                s3 = Stage3(cfg3)
+                load_state_checked(s3, sd3, f3)
+                model.decoder = s3.decoder
         return cls(model, resolve_device(device), path, metas, dtype=dtype, stage2=stage2)
 
     @staticmethod

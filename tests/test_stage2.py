@@ -104,3 +104,16 @@ def test_target_variants_share_the_context_exactly():
     for v in range(3):
         alone = m.denoise(x_t[:, v : v + 1], sig[:, v : v + 1], ctx, cs, act, nv)
         torch.testing.assert_close(joint[:, v : v + 1], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_stage3_fine_tunes_the_decoder_on_predicted_latents(tiny_dataset, tiny_checkpoint, tmp_path):
+    out = tmp_path / "s3"
+    run_iws("train", "stage3", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", out, "--steps", 4,
+            "--batch", 2, "--eval-every", 100, "--ckpt-every", 100, "--warmup", 1)
+    r = json.loads((out / "train_result.json").read_text())
+    assert {"psnr_predicted_latents_stage3_decoder", "psnr_predicted_latents_stage1_decoder"} <= set(r["eval"])
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    shutil.copy(out / "stage3.safetensors", ck)
+    wm = WorldModel.from_pretrained(ck, device="cpu", stages=("stage1", "stage2"))
+    assert "stage3" in wm.meta and wm.rollout(np.full((128, 128, 3), 255, np.uint8), np.zeros((2, 2))).shape[0] == 3
