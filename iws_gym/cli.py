@@ -50,7 +50,8 @@ def cmd_eval_policy(a):
 def cmd_eval_recon(a):
     from .evaluate import reconstruction
 
-    _emit(reconstruction(_task(a.task), a.checkpoint, frames=a.frames, steps_list=a.steps, sigma_mids=a.sigma_mid), a.json)
+    _emit(reconstruction(_task(a.task), a.checkpoint, frames=a.frames, steps_list=a.steps, sigma_mids=a.sigma_mid,
+                         grid=Path(a.grid) if a.grid else None), a.json)
 
 
 def cmd_train(a):
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--frames", type=int, default=512)
     er.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="decoder step counts to report")
     er.add_argument("--sigma-mid", type=float, nargs="*", default=[], help="also sweep the second level of 2-step sampling")
+    er.add_argument("--grid", default=None, help="PNG: originals, reconstructions per step count, error map")
     er.add_argument("--json", default=None)
     er.set_defaults(fn=cmd_eval_recon)
     d = sub.add_parser("demo", help="a scripted pusher plays IWS-TPushing-v0; prints scores, writes a video")

@@ -145,6 +145,16 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     return report
 
 
+def save_grid(rows: list[np.ndarray], path: Path, scale: int = 2) -> None:
+    """Rows of (N, H, W, 3) uint8 frames -> one PNG."""
+    import cv2
+
+    img = np.concatenate([np.concatenate(list(r), axis=1) for r in rows], axis=0)
+    img = cv2.resize(img, None, fx=scale, fy=scale, interpolation=cv2.INTER_NEAREST)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cv2.imwrite(str(path), img[:, :, ::-1])
+
+
 def plot_per_step(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -167,7 +177,7 @@ def plot_per_step(report: dict, path: Path) -> None:
 
 
 def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, steps_list=(1, 2, 4),
-                   sigma_mids=()) -> dict:
+                   sigma_mids=(), grid: Path | None = None) -> dict:
     """Stage-1 quality on held-out frames: PSNR/SSIM per decoder step count, pose error of the
     reconstruction against the pose read from the original, and encode+decode latency at batch 1."""
     import torch
@@ -180,8 +190,10 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
     x = np.concatenate([e["frames"][::2][:32] for e in eps])[:frames]
     report = dict(task=task.name, checkpoint=str(wm.path), frames=len(x), device=str(wm.device), by_steps={})
     gt_est = [estimate(f) for f in x]
+    rows = [x[:8]]
     for steps in steps_list:
         rec = wm.reconstruct(x, steps=steps, seed=0)
+        rows.append(rec[:8])
         errs = [pose_errors(estimate(r), g.agent, g.block, g.coverage) if g.block is not None else None
                 for r, g in zip(rec, gt_est)]
         errs = [e for e in errs if e is not None]
@@ -200,6 +212,10 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
             ts.append(time.perf_counter() - t0)
         report["by_steps"][steps]["encode_decode_ms_p50"] = 1000 * float(np.median(ts))
         report["by_steps"][steps]["encode_decode_ms_p95"] = 1000 * float(np.percentile(ts, 95))
+    if grid is not None:  # originals on top, then one row per step count; error maps x4 at the bottom
+        err = np.abs(rows[1].astype(int) - rows[0].astype(int)).clip(0, 63).astype(np.uint8) * 4
+        save_grid(rows + [err], Path(grid))
+        report["grid"] = str(grid)
     # multistep sampling: quality of 2 steps as a function of the second noise level
     if sigma_mids:
         default = wm.stage1.decoder.cfg.sigma_mid

@@ -102,11 +102,13 @@ def test_torchrun_ddp_two_cpu_processes(tiny_dataset, tmp_path):
 
 def test_recon_command_reports_quality_and_latency(tiny_stage1, tmp_path):
     out = tmp_path / "recon.json"
-    run_iws("eval", "recon", "--checkpoint", tiny_stage1, "--frames", 8, "--steps", 1, 2, "--json", out)
+    run_iws("eval", "recon", "--checkpoint", tiny_stage1, "--frames", 8, "--steps", 1, 2, "--json", out,
+            "--grid", tmp_path / "g.png", "--sigma-mid", 0.1, 0.4)
     r = json.loads(out.read_text())
     assert set(r["by_steps"]) == {"1", "2"} and r["frames"] == 8
     for s in r["by_steps"].values():
         assert s["encode_decode_ms_p50"] > 0 and 0 < s["psnr"] <= 100 and "block_px_median_vs_original" in s
+    assert set(r["two_step_psnr_by_sigma_mid"]) == {"0.1", "0.4"} and (tmp_path / "g.png").stat().st_size > 1000
 
 
 def test_release_writes_weights_and_provenance(tiny_stage1, tmp_path):
