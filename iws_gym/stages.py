@@ -30,16 +30,27 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return -10 * torch.log10(mse)
 
 
-class Stage1Stage:
-    name = "stage1"
+class StageBase:
+    """What every stage shares: its args, device, the dataset's metadata and task."""
+
     channels_last = True
+
+    def __init__(self, a, device):
+        self.a, self.device = a, device
+        self.meta = load_meta(a.data)
+        self.task = load_task(self.meta["task"])
+
+    def after_step(self, model, step):
+        pass
+
+
+class Stage1Stage(StageBase):
+    name = "stage1"
 
     def __init__(self, a, device):
         from .decoder import Stage1, Stage1Config
 
-        self.a, self.device = a, device
-        self.meta = load_meta(a.data)
-        self.task = load_task(self.meta["task"])
+        super().__init__(a, device)
         self.episodes = InMemoryEpisodes.load(a.data, a.max_episodes)
         cfg = Stage1Config(total_steps=a.steps)
         if a.preset == "tiny":
@@ -60,9 +71,6 @@ class Stage1Stage:
             oy, ox = (rng.integers(0, (H - c) // align + 1, size=2) * align)
             frames = frames[:, oy : oy + c, ox : ox + c]
         return frames_to_tensor(frames, self.device)
-
-    def after_step(self, model, step):
-        pass
 
     def evaluate(self, ema) -> dict:
         from .decoder import decode
@@ -123,7 +131,7 @@ class LatentEpisodes:
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
 
 
-class Stage2Stage:
+class Stage2Stage(StageBase):
     """Latent dynamics on top of a frozen stage-1 release (`--init`)."""
 
     name = "stage2"
@@ -133,9 +141,7 @@ class Stage2Stage:
         from .decoder import Stage1, Stage1Config
         from .dynamics import DynamicsConfig, Stage2
 
-        self.a, self.device = a, device
-        self.meta = load_meta(a.data)
-        self.task = load_task(self.meta["task"])
+        super().__init__(a, device)
         self.stage1, self.stage1_meta, self.stage1_file = load_stage(a.init or self.task.checkpoint_path, "stage1",
                                                                      Stage1Config, Stage1, device)
         cfg1 = self.stage1.cfg
@@ -156,9 +162,6 @@ class Stage2Stage:
 
     def sample_batch(self, rng, batch):
         return tuple(t.to(self.device) for t in self.data.sample(rng, batch, self.config.context))
-
-    def after_step(self, model, step):
-        pass
 
     def evaluate(self, ema) -> dict:
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_batch)
@@ -187,19 +190,16 @@ def load_stage(path, name, kind_cls, model_cls, device):
     return model.to(device).eval().requires_grad_(False), meta, str(f)
 
 
-class Stage3Stage:
+class Stage3Stage(StageBase):
     """Decoder fine-tuning on predicted latents (`--init`: a directory with stage1 and stage2 releases)."""
 
     name = "stage3"
-    channels_last = True
 
     def __init__(self, a, device):
         from .decoder import Stage1, Stage1Config, Stage3, Stage3Config
         from .dynamics import DynamicsConfig, Stage2
 
-        self.a, self.device = a, device
-        self.meta = load_meta(a.data)
-        self.task = load_task(self.meta["task"])
+        super().__init__(a, device)
         init = a.init or self.task.checkpoint_path
         self.stage1, _, self.f1 = load_stage(init, "stage1", Stage1Config, Stage1, device)
         self.stage2, _, self.f2 = load_stage(init, "stage2", DynamicsConfig, Stage2, device)
@@ -244,9 +244,6 @@ class Stage3Stage:
 
     def sample_batch(self, rng, batch):
         return self._batch(rng, batch, self.data, self.episodes.frames)
-
-    def after_step(self, model, step):
-        pass
 
     def evaluate(self, ema) -> dict:
         from .decoder import decode
