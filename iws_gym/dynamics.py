@@ -39,8 +39,8 @@ class DynamicsConfig:
     latent_size: int = 16
     context: int = 4               # K past latents in the window
     patch: int = 2                 # latent 16x16 -> 8x8 tokens per frame inside the network
-    ch: int = 160
-    blocks: int = 4
+    ch: int = 128
+    blocks: int = 3
     heads: int = 4
     emb_dim: int = 128
     action_scale: float = 512.0    # actions are absolute targets in the 512 canvas -> [-1, 1]
@@ -86,6 +86,70 @@ class FactorisedConv3d(nn.Module):
         return out_c, out_t
 
 
+class SpatialAttention(nn.Module):
+    """Multi-head self-attention among the tokens of one frame, (N, L, C) -> (N, L, C).
+
+    Written as two plain matmuls: at L = 64 tokens this trains ~2.5x faster on a CPU than the fused
+    scaled_dot_product_attention kernels (measured, bf16 autocast)."""
+
+    def __init__(self, ch: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(ch, 3 * ch)
+        self.proj = nn.Linear(ch, ch)
+
+    def forward(self, x):
+        N, L, C = x.shape
+        q, k, v = self.qkv(x).view(N, L, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)  # (N, h, L, d) each
+        w = ((q @ k.transpose(-1, -2)) * (C // self.heads) ** -0.5).float().softmax(dim=-1).to(v.dtype)
+        return self.proj((w @ v).transpose(1, 2).reshape(N, L, C))
+
+
+class TemporalAttention(nn.Module):
+    """Causal multi-head attention along a window of a few frames at each location.
+
+    The sequences are tiny (K context frames, plus the target slot) and there are B*h*w*V of them, so
+    scores are computed by broadcasting (N, Lq, 1, heads, d) * (N, 1, Lk, heads, d) rather than by
+    batched matmuls or a flash kernel, which are several times slower at this shape on a CPU.
+    Context slot i attends to slots j <= i that are real (and always to itself); a target variant attends
+    to every real context slot and to itself."""
+
+    def __init__(self, ch: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(ch, 3 * ch)
+        self.proj = nn.Linear(ch, ch)
+
+    def _split(self, x):  # (N, L, 3C) -> three (N, L, heads, d)
+        N, L = x.shape[:2]
+        return x.view(N, L, 3, self.heads, -1).unbind(2)
+
+    @staticmethod
+    def _attend(q, k, v, mask):
+        """q (N, Lq, h, d); k, v (N, Lk, h, d); mask (N or 1, Lq, Lk) bool, True = blocked."""
+        s = (q[:, :, None] * k[:, None]).sum(-1) * q.shape[-1] ** -0.5     # (N, Lq, Lk, h)
+        w = s.float().masked_fill(mask[..., None], float("-inf")).softmax(dim=2).to(v.dtype)
+        return (w[..., None] * v[:, None]).sum(2)                         # (N, Lq, h, d)
+
+    def forward(self, n_c, n_t, key_pad):
+        """n_c (N, K, C) context, n_t (N, V, C) target variants, key_pad (N, K) True = padded slot."""
+        N, K, C = n_c.shape
+        V = n_t.shape[1]
+        q_c, k_c, v_c = self._split(self.qkv(n_c))
+        q_t, k_t, v_t = self._split(self.qkv(n_t))
+        eye = torch.eye(K, dtype=torch.bool, device=n_c.device)
+        causal = torch.ones(K, K, dtype=torch.bool, device=n_c.device).triu(1)
+        a_c = self._attend(q_c, k_c, v_c, causal | (key_pad[:, None, :] & ~eye))
+        # each target variant: keys = the K context slots + itself
+        s_tc = (q_t[:, :, None] * k_c[:, None]).sum(-1)                   # (N, V, K, h)
+        s_tt = (q_t * k_t).sum(-1)[:, :, None]                            # (N, V, 1, h)
+        s = torch.cat([s_tc, s_tt], dim=2).float() * q_t.shape[-1] ** -0.5
+        blocked = torch.cat([key_pad, key_pad.new_zeros(N, 1)], dim=1)   # (N, K+1)
+        w = s.masked_fill(blocked[:, None, :, None], float("-inf")).softmax(dim=2).to(v_c.dtype)
+        a_t = (w[:, :, :K, :, None] * v_c[:, None]).sum(2) + w[:, :, K, :, None] * v_t  # (N, V, h, d)
+        return self.proj(a_c.reshape(N, K, C)), self.proj(a_t.reshape(N, V, C))
+
+
 class DynBlock(nn.Module):
     def __init__(self, ch: int, cond_dim: int, heads: int):
         super().__init__()
@@ -94,8 +158,8 @@ class DynBlock(nn.Module):
         self.film = nn.Linear(cond_dim, 2 * ch)
         nn.init.zeros_(self.conv2.temporal.weight)
         nn.init.zeros_(self.conv2.temporal.bias)
-        self.norm_s, self.attn_s = group_norm(ch), nn.MultiheadAttention(ch, heads, batch_first=True)
-        self.norm_t, self.attn_t = group_norm(ch), nn.MultiheadAttention(ch, heads, batch_first=True)
+        self.norm_s, self.attn_s = group_norm(ch), SpatialAttention(ch, heads)
+        self.norm_t, self.attn_t = group_norm(ch), TemporalAttention(ch, heads)
 
     @staticmethod
     def _norm(norm, x):  # per-pixel channel norm on (B, T, C, H, W)
@@ -108,7 +172,7 @@ class DynBlock(nn.Module):
     def _spatial_attn(self, x):
         B, T, C, H, W = x.shape
         s = self._norm(self.norm_s, x).permute(0, 1, 3, 4, 2).reshape(B * T, H * W, C)
-        s = self.attn_s(s, s, s, need_weights=False)[0]
+        s = self.attn_s(s)
         return x + s.reshape(B, T, H, W, C).permute(0, 1, 4, 2, 3)
 
     def forward(self, ctx, tgt, cond_c, cond_t, pad):
@@ -125,13 +189,8 @@ class DynBlock(nn.Module):
         # to the whole (unpadded) context and itself
         n_c = self._norm(self.norm_t, ctx).permute(0, 3, 4, 1, 2).reshape(B * H * W, K, C)
         n_t = self._norm(self.norm_t, tgt).permute(0, 3, 4, 1, 2).reshape(B * H * W, V, C)
-        causal = torch.ones(K, K, dtype=torch.bool, device=ctx.device).triu(1)
         key_pad = pad[:, None, :].expand(B, H * W, K).reshape(B * H * W, K)
-        a_c = self.attn_t(n_c, n_c, n_c, attn_mask=causal, key_padding_mask=key_pad, need_weights=False)[0]
-        q = n_t.reshape(B * H * W * V, 1, C)
-        kv = torch.cat([n_c[:, None].expand(B * H * W, V, K, C), n_t[:, :, None]], dim=2).reshape(B * H * W * V, K + 1, C)
-        kpad = torch.cat([key_pad[:, None].expand(B * H * W, V, K), torch.zeros_like(key_pad[:, None, :1]).expand(B * H * W, V, 1)], dim=2)
-        a_t = self.attn_t(q, kv, kv, key_padding_mask=kpad.reshape(B * H * W * V, K + 1), need_weights=False)[0]
+        a_c, a_t = self.attn_t(n_c, n_t, key_pad)
         ctx = ctx + a_c.reshape(B, H, W, K, C).permute(0, 3, 4, 1, 2)
         tgt = tgt + a_t.reshape(B, H, W, V, C).permute(0, 3, 4, 1, 2)
         return ctx, tgt
