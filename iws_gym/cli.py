@@ -47,6 +47,33 @@ def cmd_eval_policy(a):
     _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device), a.json)
 
 
+def cmd_eval_stability(a):
+    from .stability import stability
+
+    _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
+                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device), a.json)
+
+
+def cmd_eval_scorer(a):
+    from .evaluate import scorer_validation
+
+    _emit(scorer_validation(_task(a.task), a.checkpoint, episodes=a.episodes, steps=a.steps, behaviour=a.behaviour), a.json)
+
+
+def cmd_eval_correlate(a):
+    from .policy_eval import correlate
+
+    _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
+                    plot=Path(a.plot) if a.plot else None), a.json)
+
+
+def cmd_eval_probe(a):
+    from .probe import probe
+
+    _emit(probe(_task(a.task), a.checkpoint, steps=a.steps, episodes=a.episodes, grid=Path(a.grid) if a.grid else None,
+                device=a.device), a.json)
+
+
 def cmd_eval_recon(a):
     from .evaluate import reconstruction
 
@@ -58,6 +85,13 @@ def cmd_train(a):
     from .train import main as train_main
 
     train_main(a.stage, a.rest)
+
+
+def cmd_train_bc(a):
+    from .bc import train_bc
+
+    _emit(train_bc(a.data, a.out, steps=a.steps, batch=a.batch, lr=a.lr, save_at=tuple(a.save_at),
+                   max_episodes=a.max_episodes, seed=a.seed), a.json)
 
 
 def cmd_demo(a):
@@ -113,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
     t.set_defaults(fn=cmd_train)
 
+    tb = sub.add_parser("train-bc", help="behaviour-cloning policy on the pushing segments of a dataset (policy suite)")
+    tb.add_argument("--data", required=True)
+    tb.add_argument("--out", required=True)
+    tb.add_argument("--steps", type=int, default=4000)
+    tb.add_argument("--batch", type=int, default=128)
+    tb.add_argument("--lr", type=float, default=1e-3)
+    tb.add_argument("--save-at", type=int, nargs="+", default=[300, 1000, 4000])
+    tb.add_argument("--max-episodes", type=int, default=300)
+    tb.add_argument("--seed", type=int, default=0)
+    tb.add_argument("--json", default=None)
+    tb.set_defaults(fn=cmd_train_bc)
+
     e = sub.add_parser("eval", help="measurements against the ground truth")
     esub = e.add_subparsers(dest="what", required=True)
     ep = esub.add_parser("pose", help="error of the pixel pose estimator on ground-truth frames")
@@ -144,6 +190,49 @@ def build_parser() -> argparse.ArgumentParser:
     epo.add_argument("--device", default="auto")
     epo.add_argument("--json", default=None)
     epo.set_defaults(fn=cmd_eval_policy)
+
+    es = esub.add_parser("stability", help="very long open-loop rollouts: first step where a frame stops being valid")
+    es.add_argument("--task", default="tpushing")
+    es.add_argument("--checkpoint", default=None)
+    es.add_argument("--steps", type=int, default=9000)
+    es.add_argument("--check-every", type=int, default=10)
+    es.add_argument("--actions", nargs="+", default=["random", "scripted"], choices=["random", "scripted"])
+    es.add_argument("--seed", type=int, default=0)
+    es.add_argument("--device", default="auto")
+    es.add_argument("--strip", default=None, help="PNG: a row of frames across each rollout")
+    es.add_argument("--json", default=None)
+    es.set_defaults(fn=cmd_eval_stability)
+
+    esc = esub.add_parser("scorer", help="coverage scorer and agent_pos read from frames vs gym-pusht's true state")
+    esc.add_argument("--task", default="tpushing")
+    esc.add_argument("--checkpoint", default=None, help="default: the shipped weights (model frames need stage 2)")
+    esc.add_argument("--episodes", type=int, default=8)
+    esc.add_argument("--steps", type=int, default=100)
+    esc.add_argument("--behaviour", default="mix", choices=["mix", "unseen"])
+    esc.add_argument("--json", default=None)
+    esc.set_defaults(fn=cmd_eval_scorer)
+
+    ec = esub.add_parser("correlate", help="the policy suite in both worlds: Pearson r, Spearman rho, gaps, scatter plot")
+    ec.add_argument("--task", default="tpushing")
+    ec.add_argument("--episodes", type=int, default=16)
+    ec.add_argument("--horizon", type=int, default=100)
+    ec.add_argument("--seed", type=int, default=0)
+    ec.add_argument("--policies", nargs="+", default=None, help="a subset of the suite (default: all)")
+    ec.add_argument("--checkpoint", default=None)
+    ec.add_argument("--device", default="auto")
+    ec.add_argument("--plot", default=None)
+    ec.add_argument("--json", default=None)
+    ec.set_defaults(fn=cmd_eval_correlate)
+
+    epr = esub.add_parser("probe", help="start from edited real frames (shifted goal, recoloured block, distractor)")
+    epr.add_argument("--task", default="tpushing")
+    epr.add_argument("--checkpoint", default=None)
+    epr.add_argument("--steps", type=int, default=60)
+    epr.add_argument("--episodes", type=int, default=4)
+    epr.add_argument("--device", default="auto")
+    epr.add_argument("--grid", default=None, help="PNG: unedited and edited rollouts, one row each")
+    epr.add_argument("--json", default=None)
+    epr.set_defaults(fn=cmd_eval_probe)
 
     er = esub.add_parser("recon", help="stage-1 reconstruction quality and speed on held-out frames")
     er.add_argument("--task", default="tpushing")

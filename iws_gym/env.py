@@ -25,6 +25,9 @@ in the held-out range, never seen in training); `options["initial_frame"]` (H x 
 optional `options["agent_pos"]`; or `options["reset_to_state"]` ([agent x, y, block x, y, angle]),
 rendered by gym-pusht's own renderer so one policy can start identically in both worlds.
 
+## Action chunks
+`env.unwrapped.step_chunk(actions (k, 2))` runs k steps in one call (identical to k `step` calls).
+
 ## Episode end
 `terminated = is_success = coverage > 0.95`; truncation by TimeLimit (300 steps via gym.make).
 
@@ -185,6 +188,30 @@ class WorldSimEnv(gym.Env):
         if self.render_mode == "human":
             self.render()
         return self._obs(), score.reward, score.is_success, False, info
+
+    def step_chunk(self, actions):
+        """Execute an action chunk (k, 2) in one call, for chunked policies (Diffusion Policy, ACT).
+
+        Exactly k calls of `step` (the same result as stepping one by one), stopping early if the
+        episode terminates. Returns (obs after the last executed step, rewards (n,), terminated,
+        truncated, info of the last step with `chunk_steps` = n executed). It lives on the unwrapped
+        env: a TimeLimit wrapper counts only `step` calls, so use `env.unwrapped.step_chunk` with your
+        own step budget, or step one by one under the wrapper."""
+        a = np.asarray(actions)
+        if a.ndim != 2 or a.shape[1] != 2 or len(a) == 0:
+            raise ValueError(f"an action chunk must have shape (k, 2) with k >= 1, got shape {a.shape}")
+        for i, ai in enumerate(a):  # validate the whole chunk before anything runs
+            try:
+                check_action(ai, self.task.action_low, self.task.action_high)
+            except ValueError as e:
+                raise ValueError(f"action chunk row {i}: {e}") from None
+        rewards = []
+        for ai in a:
+            obs, r, term, trunc, info = self.step(ai)
+            rewards.append(r)
+            if term or trunc:
+                break
+        return obs, np.array(rewards, dtype=np.float64), term, trunc, {**info, "chunk_steps": len(rewards)}
 
     def render(self):
         if self._frame is None:

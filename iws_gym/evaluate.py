@@ -229,3 +229,55 @@ def reconstruction(task: TaskConfig, checkpoint: str | None, frames: int = 512, 
     report["command"] = (f"iws eval recon --task {task.name} --checkpoint {checkpoint} --frames {frames} --steps "
                          f"{' '.join(map(str, steps_list))}" + (f" --sigma-mid {' '.join(map(str, sigma_mids))}" if sigma_mids else ""))
     return report
+
+
+def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 8, steps: int = 100,
+                      behaviour: str = "mix") -> dict:
+    """How well the env's reward and agent_pos, both read from frames, match gym-pusht's true state.
+
+    Frames: (1) ground-truth renders, (2) model frames - one-step predictions from real history
+    (teacher-forced: the model's error at one step, the rate at which a closed-loop episode is scored),
+    and (3) open-loop rollouts of the whole episode (dynamics drift included). For each: |coverage read -
+    true coverage| for both scorer methods, agreement of the success flag, and |agent_pos read - true|."""
+    from tqdm import tqdm
+
+    from .env import read_agent
+    from .groundtruth import SUCCESS_THRESHOLD
+    from .scorer import TPushCoverageScorer
+    from .world_model import WorldModel
+
+    if episodes <= 0 or steps <= 0:
+        raise ValueError(f"--episodes and --steps must be > 0, got {episodes} and {steps}")
+    scorers = {m: TPushCoverageScorer(m, task.frame_size) for m in ("pixels", "pose")}
+    wm = None
+    if checkpoint is not None or WorldModel.has_stage(task.checkpoint_path, "stage2"):
+        wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, stages=("stage1", "stage2"))
+    sources = ["ground_truth"] + (["model_one_step", "model_open_loop"] if wm else [])
+    rows = {s: dict(cov_true=[], agent_err=[], **{f"cov_{m}": [] for m in scorers}) for s in sources}
+    t0 = time.time()
+    for ep in tqdm(heldout_episodes(task, episodes, steps, offset=3000, behaviour=behaviour), total=episodes, desc="scorer"):
+        frames = {"ground_truth": ep["frames"][1:]}
+        if wm:
+            frames["model_one_step"] = wm.predict_teacher_forced(ep["frames"], ep["actions"])
+            frames["model_open_loop"] = wm.rollout(ep["frames"][0], ep["actions"])[1:]
+        for s, fr in frames.items():
+            r = rows[s]
+            r["cov_true"] += list(ep["coverage"][1:])
+            for m, sc in scorers.items():
+                r[f"cov_{m}"] += [x.info["coverage"] for x in sc(fr)]
+            for f, true_agent in zip(fr, ep["agent_pos"][1:]):
+                r["agent_err"].append(float(np.linalg.norm(read_agent(f, np.full(2, np.nan)) - true_agent)))
+    report = dict(task=task.name, checkpoint=str(wm.path) if wm else None, episodes=episodes, steps=steps,
+                  behaviour=behaviour, by_source={})
+    for s, r in rows.items():
+        true = np.array(r["cov_true"])
+        out = dict(frames=len(true), agent_pos_error_px=_summ(r["agent_err"]))
+        for m in scorers:
+            c = np.array(r[f"cov_{m}"])
+            out[f"coverage_abs_error_{m}"] = _summ(np.abs(c - true))
+            out[f"coverage_bias_{m}"] = float((c - true).mean())
+            out[f"success_agreement_{m}"] = float(((c > SUCCESS_THRESHOLD) == (true > SUCCESS_THRESHOLD)).mean())
+        out["true_success_frames"] = int((true > SUCCESS_THRESHOLD).sum())
+        report["by_source"][s] = out
+    report["wall_s"] = round(time.time() - t0, 1)
+    return report

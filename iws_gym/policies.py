@@ -55,3 +55,66 @@ class IdlePolicy:
 
     def __call__(self, obs) -> np.ndarray:
         return np.asarray(obs["agent_pos"], dtype=np.float32)
+
+
+class LazyPusher(FramePusher):
+    """A degraded pusher: it acts every `every`-th step and otherwise holds where it is."""
+
+    def __init__(self, every: int = 3, seed: int = 0):
+        self.every = every
+        super().__init__(noise=0.0, seed=seed)
+
+    def reset(self, seed: int | None = None):
+        super().reset(seed)
+        self.t = 0
+
+    def __call__(self, obs) -> np.ndarray:
+        self.t += 1
+        if self.t % self.every:
+            return np.asarray(obs["agent_pos"], dtype=np.float32)
+        return super().__call__(obs)
+
+
+class JitteryPusher(FramePusher):
+    """A degraded pusher: with probability `p` a step's action is a uniformly random target instead."""
+
+    def __init__(self, p: float = 0.3, seed: int = 0):
+        self.p = p
+        super().__init__(noise=0.0, seed=seed)
+
+    def __call__(self, obs) -> np.ndarray:
+        a = super().__call__(obs)  # keep the pusher's internal plan advancing either way
+        if self.rng.random() < self.p:
+            return self.rng.uniform(0, 512, 2).astype(np.float32)
+        return a
+
+
+def bc_policy(step: int):
+    """Factory of the shipped behaviour-cloning policy at a training step (checkpoints/tpushing/policies)."""
+    from pathlib import Path
+
+    from .bc import BCPolicy
+
+    path = Path(__file__).resolve().parent.parent / "checkpoints" / "tpushing" / "policies" / f"bc_step{step}.safetensors"
+
+    def make():
+        return BCPolicy(path)
+    make.is_factory = True
+    return make
+
+
+def suite() -> dict:
+    """The policy suite of `iws eval correlate`, graded from doing nothing to the competent pusher.
+    name -> factory (called once per episode)."""
+    return {
+        "idle": IdlePolicy,
+        "random": RandomPolicy,
+        "jittery_pusher_p0.6": lambda: JitteryPusher(p=0.6),
+        "lazy_pusher_every4": lambda: LazyPusher(every=4),
+        "noisy_pusher_1.5": lambda: FramePusher(noise=1.5),
+        "jittery_pusher_p0.2": lambda: JitteryPusher(p=0.2),
+        "pusher": lambda: FramePusher(noise=0.0),
+        "bc_step300": bc_policy(300),
+        "bc_step1000": bc_policy(1000),
+        "bc_step4000": bc_policy(4000),
+    }

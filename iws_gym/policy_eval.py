@@ -135,3 +135,95 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
         report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
         report["gap"] = dict(mean=float((learned - gt).mean()), mean_abs=float(np.abs(learned - gt).mean()))
     return report
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties averaged (for Spearman's rho)."""
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x), dtype=float)
+    for v in np.unique(x):
+        m = x == v
+        r[m] = r[m].mean()
+    return r
+
+
+def pearson(x, y) -> float:
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 2 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def spearman(x, y) -> float:
+    return pearson(_ranks(np.asarray(x, float)), _ranks(np.asarray(y, float)))
+
+
+def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
+              device: str = "auto", names=None, plot=None) -> dict:
+    """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
+    well the learned env's scores track the ground truth (per policy and overall)."""
+    from tqdm import tqdm
+
+    from .policies import suite
+
+    if episodes <= 1 or horizon <= 0:
+        raise ValueError(f"--episodes must be > 1 and --horizon > 0, got {episodes} and {horizon}")
+    policies = suite()
+    unknown = sorted(set(names or []) - set(policies))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; the suite has {sorted(policies)}")
+    if names:
+        policies = {k: v for k, v in policies.items() if k in names}
+    states = start_states(task, episodes, seed)
+    t0 = time.time()
+    per = {}
+    for name, factory in tqdm(policies.items(), desc="policy suite"):
+        learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device)
+        gt, t_g = run_ground_truth(task, factory, states, horizon, seed)
+        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=float(learned.mean() - gt.mean()),
+                         episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
+                         seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist())
+    L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
+    G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
+    all_l = np.concatenate([p["scores_learned"] for p in per.values()])
+    all_g = np.concatenate([p["scores_ground_truth"] for p in per.values()])
+    overall = dict(policies=len(per), pearson_r=pearson(L, G), spearman_rho=spearman(L, G),
+                   mean_bias=float((L - G).mean()), mean_abs_gap=float(np.abs(L - G).mean()),
+                   episode_level_pearson_r=pearson(all_l, all_g),
+                   success_rate_pearson_r=pearson([p["learned"]["success_rate"] for p in per.values()],
+                                                  [p["ground_truth"]["success_rate"] for p in per.values()]),
+                   optimistic_policies=[k for k, p in per.items() if p["gap"] > 0.1],
+                   seconds_per_episode_learned=float(np.mean([p["seconds_per_episode_learned"] for p in per.values()])),
+                   seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
+    overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
+                              mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
+    report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, checkpoint=str(checkpoint or task.checkpoint_path),
+                  score="max coverage over the episode (Push-T); success = max coverage > 0.95",
+                  start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
+                  overall=overall, per_policy=per, wall_s=round(time.time() - t0, 1))
+    if plot:
+        plot_correlation(report, plot)
+        report["plot"] = str(plot)
+    return report
+
+
+def plot_correlation(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    for name, p in report["per_policy"].items():
+        g, l = p["ground_truth"], p["learned"]
+        ax.errorbar(g["mean_max_coverage"], l["mean_max_coverage"], xerr=g["stderr"], yerr=l["stderr"], fmt="o", capsize=3)
+        ax.annotate(name, (g["mean_max_coverage"], l["mean_max_coverage"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    o = report["overall"]
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="gym-pusht (ground truth): mean max coverage",
+           ylabel="IWS-TPushing-v0 (learned): mean max coverage",
+           title=f"r = {o['pearson_r']:.3f}, rho = {o['spearman_rho']:.3f}, mean |gap| = {o['mean_abs_gap']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -45,14 +45,15 @@ class TPushCoverageScorer:
         self.method = method
         self.goal = goal_mask(frame_size)
         self.goal_area = self.goal.sum()
+        rows, cols = np.nonzero(self.goal.any(axis=1))[0], np.nonzero(self.goal.any(axis=0))[0]
+        self.box = (slice(rows[0], rows[-1] + 1), slice(cols[0], cols[-1] + 1))  # only the goal's pixels matter
 
     def coverage(self, frame: np.ndarray) -> float:
         if self.method == "pose":
             c = estimate(frame).coverage
             return 0.0 if np.isnan(c) else float(c)
-        a, valid = block_fraction(frame)
-        # pixels hidden by the agent count as covered if the block surrounds them (agent on top of the block)
-        return float(np.clip((a * self.goal).sum() / self.goal_area, 0.0, 1.0))
+        a, _ = block_fraction(frame[self.box])  # per-pixel unmixing: the crop changes nothing (but a 1-px agent-mask edge)
+        return float(np.clip((np.clip(a, 0, 1) * self.goal[self.box]).sum() / self.goal_area, 0.0, 1.0))
 
     def __call__(self, frames: np.ndarray) -> list[Score]:
         out = []

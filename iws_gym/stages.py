@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -100,10 +101,16 @@ def find_release(path, name: str):
 class LatentEpisodes:
     """Every frame of a dataset encoded once by the frozen stage-1 encoder, kept in RAM as fp16."""
 
-    def __init__(self, episodes: InMemoryEpisodes, encoder, device, batch: int = 256, amp: bool = True):
+    def __init__(self, episodes: InMemoryEpisodes, encoder, device, batch: int = 256, amp: bool = True,
+                 cache: Path | None = None):
         from tqdm import tqdm
 
         self.latents, self.actions = [], episodes.actions
+        if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
+            c = torch.load(cache, map_location="cpu", weights_only=True)
+            if len(c["latents"]) == len(episodes.frames):
+                self.latents, self.z_mean, self.z_std = c["latents"], c["z_mean"], c["z_std"]
+                return
         for fr in tqdm(episodes.frames, desc="encoding latents", unit="ep"):
             zs = []
             for i in range(0, len(fr), batch):
@@ -113,6 +120,10 @@ class LatentEpisodes:
             self.latents.append(torch.cat(zs))
         allz = torch.cat(self.latents[: min(len(self.latents), 100)]).float()
         self.z_mean, self.z_std = float(allz.mean()), float(allz.std())
+        if cache is not None:
+            from .checkpoint import atomic_torch_save
+
+            atomic_torch_save(dict(latents=self.latents, z_mean=self.z_mean, z_std=self.z_std), cache)
 
     def sample(self, rng, batch: int, K: int):
         """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame."""
@@ -131,6 +142,14 @@ class LatentEpisodes:
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
 
 
+def latent_cache(data, stage1_file, n_episodes: int) -> Path:
+    """Where a dataset's latents under one stage-1 release are cached (in the git-ignored data dir)."""
+    import hashlib
+
+    h = hashlib.sha256(Path(stage1_file).read_bytes()).hexdigest()[:12]
+    return Path(data) / f"latents_{h}_{n_episodes}.pt"
+
+
 class Stage2Stage(StageBase):
     """Latent dynamics on top of a frozen stage-1 release (`--init`)."""
 
@@ -146,7 +165,7 @@ class Stage2Stage(StageBase):
                                                                      Stage1Config, Stage1, device)
         cfg1 = self.stage1.cfg
         eps = InMemoryEpisodes.load(a.data, a.max_episodes)
-        self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp)
+        self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp, cache=latent_cache(a.data, self.stage1_file, len(eps.frames)))
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std)
         if a.preset == "tiny":
@@ -204,7 +223,8 @@ class Stage3Stage(StageBase):
         self.stage1, _, self.f1 = load_stage(init, "stage1", Stage1Config, Stage1, device)
         self.stage2, _, self.f2 = load_stage(init, "stage2", DynamicsConfig, Stage2, device)
         self.episodes = InMemoryEpisodes.load(a.data, a.max_episodes)
-        self.data = LatentEpisodes(self.episodes, self.stage1.encoder, device, amp=a.amp)
+        self.data = LatentEpisodes(self.episodes, self.stage1.encoder, device, amp=a.amp,
+                                   cache=latent_cache(a.data, self.f1, len(self.episodes.frames)))
         self.config = Stage3Config(decoder=self.stage1.cfg.decoder, total_steps=a.steps)
         self.model = Stage3(self.config)
         self.model.decoder.load_state_dict(self.stage1.decoder.state_dict())
@@ -271,7 +291,7 @@ def default_args(stage: str):
     if stage == "stage1":
         return TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3, crop=64)
     if stage == "stage2":
-        return TrainArgs(out="runs/stage2", steps=8000, batch=32, lr=7e-4)
+        return TrainArgs(out="runs/stage2", steps=7000, batch=32, lr=7e-4)
     if stage == "stage3":
         return TrainArgs(out="runs/stage3", steps=5000, batch=16, lr=2e-4, warmup=100)
     raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES)}")

@@ -118,6 +118,26 @@ class WorldModel:
         state["n_valid"] = (state["n_valid"] + 1).clamp(max=K)
         return z
 
+    @torch.inference_mode()
+    def predict_teacher_forced(self, frames: np.ndarray, actions: np.ndarray, seed: int = 0, batch: int = 64) -> np.ndarray:
+        """One-step predictions from real history: frames (T+1, H, W, 3) uint8, actions (T, 2) ->
+        (T, H, W, 3), where prediction t+1 sees the real frames <= t (up to K of them) and actions <= t."""
+        K = self.stage2.cfg.context
+        z = torch.cat([self.encode(frames[i : i + batch]) for i in range(0, len(frames), batch)]).float()
+        a = torch.as_tensor(np.asarray(actions, np.float32), device=self.device)
+        T = len(a)
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for t0 in range(0, T, batch):
+            ts = torch.arange(t0, min(T, t0 + batch), device=self.device)
+            n_valid = (ts + 1).clamp(max=K)
+            # window of K slots ending at t; slots before the episode start repeat the first frame (padding)
+            idx = (ts[:, None] + torch.arange(-K + 1, 1, device=self.device)[None]).clamp(min=0)  # (b, K)
+            acts = a[idx].masked_fill((torch.arange(K, device=self.device)[None] < (K - n_valid)[:, None])[..., None], 0.0)
+            z1 = self.stage2.predict(z[idx], acts, n_valid, steps=self.dynamics_steps, generator=gen)
+            out.append(self.decode(z1, generator=gen))
+        return np.concatenate(out)
+
     def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None) -> np.ndarray:
         """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8."""
         gen = torch.Generator().manual_seed(seed)

@@ -132,3 +132,38 @@ def test_frame_pusher_runs_in_the_ground_truth_unchanged():
     for _ in range(60):
         obs, r, term, trunc, info = env.step(pol(obs))
     assert np.linalg.norm(info["block_pose"][:2] - start[:2]) > 1 or info["coverage"] > 0  # it reached and moved the block
+
+
+def test_action_chunk_equals_single_steps(env):
+    acts = np.random.default_rng(1).uniform(0, 512, (5, 2)).astype(np.float32)
+    env.reset(seed=5)
+    singles = [env.step(a) for a in acts]
+    env.reset(seed=5)
+    obs, rewards, term, trunc, info = env.unwrapped.step_chunk(acts)
+    assert info["chunk_steps"] == 5 and rewards.shape == (5,)
+    np.testing.assert_array_equal(obs["pixels"], singles[-1][0]["pixels"])
+    np.testing.assert_allclose(rewards, [s[1] for s in singles])
+    with pytest.raises(ValueError, match="chunk"):
+        env.unwrapped.step_chunk(np.zeros(2))
+    with pytest.raises(ValueError, match="row 1"):
+        env.unwrapped.step_chunk(np.array([[1.0, 2.0], [np.nan, 0.0]]))
+    env.step(acts[0])  # still usable
+
+
+def test_standard_wrappers(tiny_checkpoint, tmp_path):
+    from gymnasium.wrappers import RecordEpisodeStatistics, RecordVideo
+
+    e = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", render_mode="rgb_array",
+                 max_episode_steps=4)
+    e = RecordEpisodeStatistics(RecordVideo(e, str(tmp_path / "videos"), episode_trigger=lambda i: True,
+                                            disable_logger=True))
+    e.reset(seed=0)
+    trunc = term = False
+    n = 0
+    while not (trunc or term):
+        _, _, term, trunc, info = e.step(e.action_space.sample())
+        n += 1
+    assert n == 4 and trunc  # TimeLimit from max_episode_steps
+    assert info["episode"]["l"] == 4 and "r" in info["episode"]
+    e.close()
+    assert list((tmp_path / "videos").glob("*.mp4"))

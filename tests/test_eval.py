@@ -50,3 +50,16 @@ def test_pose_command(tmp_path):
     run_iws("eval", "pose", "--episodes", 1, "--steps", 10, "--json", out)
     r = json.loads(out.read_text())
     assert r["frames"] == 3 and r["block_px"]["median"] < 5 and "block_bias" in r
+
+
+def test_scorer_validation_command(tiny_checkpoint, tmp_path):
+    out = tmp_path / "scorer.json"
+    run_iws("eval", "scorer", "--checkpoint", tiny_checkpoint, "--episodes", 1, "--steps", 6, "--json", out)
+    r = json.loads(out.read_text())
+    assert set(r["by_source"]) == {"ground_truth", "model_one_step", "model_open_loop"}
+    gt = r["by_source"]["ground_truth"]
+    assert gt["frames"] == 6
+    # on real frames both readings are close to the true state
+    assert gt["coverage_abs_error_pixels"]["median"] < 0.05 and gt["agent_pos_error_px"]["median"] < 3
+    proc = run_iws("eval", "scorer", "--episodes", 0, check=False)
+    assert proc.returncode == 2 and "--episodes" in proc.stderr

@@ -47,3 +47,55 @@ def test_start_states_are_identical_in_both_worlds():
     for s in st:
         a, _ = env.reset(options={"reset_to_state": s})
         np.testing.assert_array_equal(a["pixels"], render_state(s))
+
+
+def test_rank_statistics():
+    from iws_gym.policy_eval import pearson, spearman
+
+    x = np.array([0.1, 0.2, 0.5, 0.9])
+    assert abs(pearson(x, 2 * x + 1) - 1) < 1e-12 and abs(spearman(x, x ** 3) - 1) < 1e-12
+    assert abs(spearman(x, -x) + 1) < 1e-12
+    assert np.isnan(pearson(x, np.ones(4)))
+
+
+def test_suite_policies_act_in_the_ground_truth():
+    from iws_gym.groundtruth import make_env
+    from iws_gym.policies import suite
+
+    s = suite()
+    assert len(s) >= 8
+    env = make_env(128)
+    obs, _ = env.reset(seed=1_000_123)
+    for name, factory in s.items():
+        a = np.asarray(factory()(obs))
+        assert a.shape == (2,) and np.all((a >= 0) & (a <= 512)), name
+
+
+def test_correlate_command(tiny_checkpoint, tmp_path):
+    out = tmp_path / "corr.json"
+    run_iws("eval", "correlate", "--checkpoint", tiny_checkpoint, "--episodes", 2, "--horizon", 3,
+            "--policies", "idle", "random", "bc_step300", "--plot", tmp_path / "corr.png", "--json", out)
+    r = json.loads(out.read_text())
+    assert set(r["per_policy"]) == {"idle", "random", "bc_step300"}
+    for p in r["per_policy"].values():
+        assert len(p["scores_learned"]) == 2 and len(p["scores_ground_truth"]) == 2
+    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap"} <= set(r["overall"])
+    assert (tmp_path / "corr.png").stat().st_size > 0
+    proc = run_iws("eval", "correlate", "--policies", "nope", check=False)
+    assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+def test_probe_edits_and_command(tiny_checkpoint, tmp_path):
+    from iws_gym.collect import heldout_episodes
+    from iws_gym.probe import EDITS, colour_share, edit_frame
+    from iws_gym.tasks import load_task
+
+    frame = next(heldout_episodes(load_task("tpushing"), 1, 1, offset=42))["frames"][0]
+    for kind in EDITS:
+        edited, region, colour = edit_frame(frame, kind)
+        assert edited.shape == frame.shape and edited.dtype == np.uint8 and region.any()
+        assert colour_share(edited, region, colour) > 0.9 > colour_share(frame, region, colour)
+    out = tmp_path / "probe.json"
+    run_iws("eval", "probe", "--checkpoint", tiny_checkpoint, "--steps", 2, "--episodes", 1, "--grid", tmp_path / "p.png", "--json", out)
+    r = json.loads(out.read_text())
+    assert set(r["edits"]) == set(EDITS) and (tmp_path / "p.png").stat().st_size > 0

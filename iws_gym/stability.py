@@ -1,0 +1,143 @@
+"""`iws eval stability`: does a very long open-loop rollout keep producing valid frames?
+
+The paper's model runs for over 10 minutes (9000 steps at 15 FPS). Here a rollout of N steps starts from
+one real held-out frame and is driven by either
+* `random`: a uniformly random agent target every step (what a random policy sends), or
+* `scripted`: the actions of held-out scripted play (the training behaviour mix), episode after episode.
+
+Every `check_every` steps the latent is decoded and the frame is checked. A frame is valid when
+* the agent is detectable (pose.agent_position finds the blue disc) and its blue area is in range,
+* the T block is detectable (pose.estimate fits a pose) with a template-fit residual in range,
+* the block's visible area, the mean colour and the share of off-palette pixels are in range,
+where "in range" means inside the envelope of the same statistic over real ground-truth frames, widened
+by a margin (`calibrate`). The report gives the first step where any check fails (null if none), the
+fraction of failing checks per kind, and a strip of frames across the rollout.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .collect import heldout_episodes
+from .pose import block_fraction, estimate
+from .tasks import TaskConfig
+
+# colours a Push-T frame is made of (RGB): background, goal, block fill/outline, agent, walls
+PALETTE = np.array([[255, 255, 255], [144, 238, 144], [143, 163, 184], [119, 136, 153], [65, 105, 225], [211, 211, 211]],
+                   dtype=np.float32)
+
+
+def frame_stats(frame: np.ndarray) -> dict:
+    """Statistics of one (H, W, 3) uint8 frame that the validity checks use."""
+    f = frame.astype(np.float32)
+    blue = np.clip((f[..., 2] - 0.5 * (f[..., 0] + f[..., 1]) - 40.0) / 60.0, 0, 1)
+    a, _ = block_fraction(frame)
+    # distance of each pixel to the segment between any two palette colours (anti-aliased edges are mixes)
+    d = np.full(f.shape[:2], np.inf, dtype=np.float32)
+    for i in range(len(PALETTE)):
+        for j in range(i, len(PALETTE)):
+            p, q = PALETTE[i], PALETTE[j]
+            v = q - p
+            t = np.clip(((f - p) @ v) / max(float(v @ v), 1e-6), 0, 1) if i != j else np.zeros(f.shape[:2], np.float32)
+            d = np.minimum(d, np.linalg.norm(f - (p + t[..., None] * v), axis=-1))
+    est = estimate(frame)
+    return dict(agent_found=est.agent is not None, block_found=est.block is not None,
+                agent_area=float(blue.sum()), block_area=float(np.clip(a, 0, 1).sum()),
+                fit_residual=float(est.fit_residual) if est.block is not None else float("nan"),
+                mean_r=float(f[..., 0].mean()), mean_g=float(f[..., 1].mean()), mean_b=float(f[..., 2].mean()),
+                off_palette=float((d > 40).mean()))
+
+
+RANGED = ("agent_area", "block_area", "fit_residual", "mean_r", "mean_g", "mean_b", "off_palette")
+
+
+def calibrate(frames: np.ndarray, margin: float = 0.25) -> dict:
+    """Envelope [lo, hi] of each ranged statistic over real frames, widened by `margin` of its span
+    (one-sided quantities - residual, off-palette share - get an upper bound only)."""
+    stats = [frame_stats(f) for f in frames]
+    env = {}
+    for k in RANGED:
+        v = np.array([s[k] for s in stats], dtype=np.float64)
+        v = v[np.isfinite(v)]
+        lo, hi = float(v.min()), float(v.max())
+        span = max(hi - lo, 1e-6)
+        if k in ("fit_residual", "off_palette"):
+            env[k] = [0.0, hi + margin * span + (0.01 if k == "off_palette" else 0.0)]
+        else:
+            env[k] = [lo - margin * span, hi + margin * span]
+    return env
+
+
+def failures(stats: dict, envelope: dict) -> list[str]:
+    out = [k for k in ("agent_found", "block_found") if not stats[k]]
+    for k, (lo, hi) in envelope.items():
+        v = stats[k]
+        if not np.isfinite(v) or v < lo or v > hi:
+            out.append(k)
+    return out
+
+
+def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "random":
+        return rng.uniform(task.action_low, task.action_high, (steps, 2)).astype(np.float32)
+    if kind == "scripted":
+        n = -(-steps // task.episode_steps)
+        acts = [ep["actions"] for ep in heldout_episodes(task, n, task.episode_steps, offset=5000, progress=True)]
+        return np.concatenate(acts)[:steps].astype(np.float32)
+    raise ValueError(f"action kind must be 'random' or 'scripted', got {kind!r}")
+
+
+def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
+              kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto") -> dict:
+    from tqdm import tqdm
+
+    from .world_model import WorldModel
+
+    if steps <= 0 or check_every <= 0:
+        raise ValueError(f"--steps and --check-every must be > 0, got {steps} and {check_every}")
+    wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
+    real = [ep for ep in heldout_episodes(task, 8, 50, offset=6000)]
+    envelope = calibrate(np.concatenate([ep["frames"][::5] for ep in real]))
+    report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed,
+                  validity="agent and block detectable; agent area, block area, T-fit residual, mean colour and "
+                           "off-palette share inside the envelope of real frames (widened by 25% of its span)",
+                  envelope=envelope, rollouts={})
+    strips = []
+    for kind in kinds:
+        rng = np.random.default_rng(seed)
+        actions = _actions(kind, task, steps, rng)
+        first = real[0]["frames"][0]
+        gen = torch.Generator().manual_seed(seed)
+        state = wm.start(wm.encode(first[None]))
+        first_fail, fail_counts, n_checks, n_bad, shown = None, {}, 0, 0, [first]
+        t0 = time.time()
+        for t in tqdm(range(steps), desc=f"stability ({kind})"):
+            z = wm.advance(state, torch.from_numpy(actions[t])[None], generator=gen)
+            if (t + 1) % check_every == 0 or t + 1 == steps:
+                frame = wm.decode(z, generator=gen)[0]
+                bad = failures(frame_stats(frame), envelope)
+                n_checks += 1
+                n_bad += bool(bad)
+                for k in bad:
+                    fail_counts[k] = fail_counts.get(k, 0) + 1
+                if bad and first_fail is None:
+                    first_fail = dict(step=t + 1, failed=bad)
+                if (t + 1) % max(1, steps // 9) == 0 and len(shown) < 10:
+                    shown.append(frame)
+        latent = state["ctx"][:, -1].float()
+        report["rollouts"][kind] = dict(
+            first_failure=first_fail, checks=n_checks,
+            failed_fraction={k: v / n_checks for k, v in sorted(fail_counts.items())},
+            invalid_frame_fraction=n_bad / n_checks,
+            final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
+        strips.append(np.stack(shown))
+    report["stable"] = all(r["first_failure"] is None for r in report["rollouts"].values())
+    if strip is not None:
+        from .evaluate import save_grid
+
+        save_grid(strips, Path(strip))
+        report["strip"] = str(strip)
+    return report
