@@ -196,6 +196,25 @@ class DynBlock(nn.Module):
         return ctx, tgt
 
 
+ACTION_MAP_CH = 5
+
+
+def action_maps(actions_in: torch.Tensor, valid: torch.Tensor, size: int, blob: float = 0.1) -> torch.Tensor:
+    """Where each slot's action points, as maps on the latent grid: (B, T, 2) normalised targets in
+    [-1, 1] and valid (B, T) bool (False: no action led into the slot) -> (B, T, 5, size, size): the grid's own x and y, the offset from each cell
+    to the target (dx, dy) and a Gaussian blob at the target. FiLM alone is global; these maps give the
+    convolutions and attention the absolute positions they need to move the agent to a target."""
+    B, T = actions_in.shape[:2]
+    g = (torch.arange(size, device=actions_in.device, dtype=torch.float32) + 0.5) / size * 2 - 1
+    gy, gx = torch.meshgrid(g, g, indexing="ij")                        # rows are y, columns are x
+    a = actions_in.float()
+    has = valid.float()[..., None, None]                                # (B, T, 1, 1)
+    dx = (a[..., 0, None, None] - gx) * has                             # (B, T, size, size)
+    dy = (a[..., 1, None, None] - gy) * has
+    bl = torch.exp(-(dx**2 + dy**2) / (2 * blob**2)) * has
+    return torch.stack([gx.expand(B, T, size, size), gy.expand(B, T, size, size), dx, dy, bl], dim=2)
+
+
 class DynamicsNet(nn.Module):
     """The network: context window + V noisy target variants -> F for each variant. Knows nothing about
     noise schedules."""
@@ -203,7 +222,8 @@ class DynamicsNet(nn.Module):
     def __init__(self, cfg: DynamicsConfig):
         super().__init__()
         self.cfg = cfg
-        self.inp = nn.Conv2d(cfg.latent_ch, cfg.ch, cfg.patch, stride=cfg.patch)  # 16x16 -> 8x8 tokens
+        # latent + ACTION_MAP_CH maps of where the action points (see action_maps) -> 8x8 tokens
+        self.inp = nn.Conv2d(cfg.latent_ch + ACTION_MAP_CH, cfg.ch, cfg.patch, stride=cfg.patch)
         self.sigma_emb = FourierEmbedding(cfg.emb_dim)
         self.action_emb = nn.Sequential(nn.Linear(2, cfg.emb_dim), nn.SiLU(), nn.Linear(cfg.emb_dim, cfg.emb_dim))
         self.slot_emb = nn.Embedding(3, cfg.emb_dim)  # 0 = context, 1 = padded context, 2 = target
@@ -215,12 +235,13 @@ class DynamicsNet(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def _tokens(self, x):  # (B, T, C, h, w) latents -> (B, T, ch, h/2, w/2)
+    def _tokens(self, x, maps):  # (B, T, C, h, w) latents + (B, T, M, h, w) maps -> (B, T, ch, h/2, w/2)
+        x = torch.cat([x.to(maps.dtype), maps], dim=2)
         return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])
 
-    def forward(self, ctx, ctx_c_noise, actions_in, pad, tgt, tgt_c_noise):
+    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise):
         """ctx (B, K, C, h, w) preconditioned context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised
-        action leading into each slot (last: into the target); pad (B, K) bool; tgt (B, V, C, h, w)
+        action leading into each slot (last: into the target); act_valid (B, K+1) bool; pad (B, K) bool; tgt (B, V, C, h, w)
         preconditioned noisy target variants with tgt_c_noise (B, V). Returns F (B, V, C, h, w)."""
         B, K = ctx.shape[:2]
         V = tgt.shape[1]
@@ -232,7 +253,8 @@ class DynamicsNet(nn.Module):
         cond_t = self.sigma_emb(tgt_c_noise.reshape(-1)).unflatten(0, (B, V)) + a[:, K:] \
             + self.slot_emb.weight[2] + self.pos_emb[K]
         cond_c, cond_t = F.silu(cond_c).to(dt), F.silu(cond_t).to(dt)
-        h_c, h_t = self._tokens(ctx), self._tokens(tgt)
+        maps = action_maps(actions_in, act_valid, ctx.shape[-1])                   # (B, K+1, M, h, w)
+        h_c, h_t = self._tokens(ctx, maps[:, :K]), self._tokens(tgt, maps[:, K:].expand(B, V, *maps.shape[2:]))
         for blk in self.blocks:
             h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
         h = h_t.flatten(0, 1)  # (B*V, ch, h/2, w/2): only the target slot is read out
@@ -270,10 +292,11 @@ class Stage2(nn.Module):
         a = actions.float() / c.action_scale * 2 - 1
         actions_in = torch.cat([torch.zeros_like(a[:, :1]), a], dim=1)  # (B, K+1, 2)
         idx = torch.arange(K + 1, device=ctx.device)[None]
-        actions_in = actions_in.masked_fill((idx <= (K - n_valid)[:, None])[..., None], 0.0)
+        act_valid = idx > (K - n_valid)[:, None]                         # (B, K+1): an action led into the slot
+        actions_in = actions_in.masked_fill(~act_valid[..., None], 0.0)
         pad = idx[:, :K] < (K - n_valid)[:, None]
         ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
-        F_x = self.net(ctx_in, ctx_noise, actions_in, pad, schedule.c_in(s, c.sigma_data) * x_t,
+        F_x = self.net(ctx_in, ctx_noise, actions_in, act_valid, pad, schedule.c_in(s, c.sigma_data) * x_t,
                        schedule.c_noise(sigma.float()))
         return c_skip * x_t.float() + c_out * F_x
 

@@ -291,7 +291,7 @@ def default_args(stage: str):
     if stage == "stage1":
         return TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3, crop=64)
     if stage == "stage2":
-        return TrainArgs(out="runs/stage2", steps=7000, batch=32, lr=7e-4)
+        return TrainArgs(out="runs/stage2", steps=6000, batch=32, lr=7e-4)
     if stage == "stage3":
         return TrainArgs(out="runs/stage3", steps=5000, batch=16, lr=2e-4, warmup=100)
     raise ValueError(f"unknown stage {stage!r}; choose from {sorted(STAGES)}")
