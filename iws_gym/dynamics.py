@@ -8,11 +8,17 @@ denoises the next latent z_{t+1} in one to a few consistency steps. The window i
   (time is really mixed, and no frame sees the future),
 * FiLM from each slot's conditioning: the action that led into that frame, and its noise level
   (small for context frames, sigma for the target slot), plus a flag for padded slots,
+* (at the input) maps of where each slot's action points on the latent grid (`action_maps`): FiLM is
+  global, and without absolute positions the network cannot move the agent to an absolute target,
 * spatial self-attention within each frame and causal temporal self-attention at each location.
 
 Short history is explicit: a rollout may start from a single real frame. Missing context slots are
 filled with the earliest frame, flagged as padding in their conditioning, and masked out of temporal
 attention; training samples the history length uniformly in [1, K] so every case is trained.
+
+What is denoised is the change z_{t+1} - z_t from the last context latent (normalised by its std over
+the data), not z_{t+1} itself: most of a frame does not move, so a static scene costs nothing and the
+network spends its capacity on what changes.
 
 Objective (`Stage2.loss`): the same family as stage 1 - improved consistency training between adjacent
 noise levels with a stop-gradient target, a denoising regulariser at the same level and the
@@ -52,6 +58,7 @@ class DynamicsConfig:
     ctx_sigma: float = 0.02        # context noise at inference
     z_mean: float = 0.0            # latent normalisation (from the stage-1 encoder over the data)
     z_std: float = 1.0
+    dz_std: float = 1.0            # std of z_{t+1} - z_t over the data: the denoised quantity is this change
 
 
 class FactorisedConv3d(nn.Module):
@@ -275,6 +282,12 @@ class Stage2(nn.Module):
     def unnorm(self, y):
         return y / self.cfg.sigma_data * self.cfg.z_std + self.cfg.z_mean
 
+    def norm_delta(self, dz):
+        return dz / self.cfg.dz_std * self.cfg.sigma_data
+
+    def unnorm_delta(self, y):
+        return y / self.cfg.sigma_data * self.cfg.dz_std
+
     def denoise(self, x_t, sigma, ctx, ctx_sigma, actions, n_valid):
         """Consistency function on normalised latents, for V target variants sharing one context.
 
@@ -311,7 +324,9 @@ class Stage2(nn.Module):
         c = self.cfg
         ctx, actions, target, n_valid = batch
         B = target.shape[0]
-        ctx, x = self.norm(ctx), self.norm(target)
+        # the model denoises the change from the last context frame (most of a frame does not move)
+        x = self.norm_delta(target - ctx[:, -1])
+        ctx = self.norm(ctx)
         ctx_sigma = torch.rand(B, device=x.device) * c.ctx_sigma_max
         ctx = ctx + ctx_sigma[:, None, None, None, None] * torch.randn_like(ctx)
         n = schedule.ict_num_scales(step, getattr(self, "total_steps", 20000))
@@ -339,6 +354,7 @@ class Stage2(nn.Module):
         ctx_noise: optional (B, K, C, h, w) standard normal draws for the context noise (for determinism)."""
         c = self.cfg
         B = ctx.shape[0]
+        last = ctx[:, -1].float()
         ctx = self.norm(ctx)
         ctx_sigma = torch.full((B,), c.ctx_sigma, device=ctx.device)
         if ctx_noise is None:
@@ -348,4 +364,4 @@ class Stage2(nn.Module):
         y = consistency_sample(lambda x_t, s: self.denoise(x_t[:, None], s[:, None], ctx, ctx_sigma, actions, n_valid)[:, 0],
                                (B, c.latent_ch, c.latent_size, c.latent_size), sig, c.sigma_min,
                                generator=generator, device=ctx.device)
-        return self.unnorm(y)
+        return last + self.unnorm_delta(y)

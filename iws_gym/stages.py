@@ -110,6 +110,7 @@ class LatentEpisodes:
             c = torch.load(cache, map_location="cpu", weights_only=True)
             if len(c["latents"]) == len(episodes.frames):
                 self.latents, self.z_mean, self.z_std = c["latents"], c["z_mean"], c["z_std"]
+                self.dz_std = float(torch.cat([(z[1:].float() - z[:-1].float()) for z in self.latents[:100]]).std())
                 return
         for fr in tqdm(episodes.frames, desc="encoding latents", unit="ep"):
             zs = []
@@ -120,6 +121,8 @@ class LatentEpisodes:
             self.latents.append(torch.cat(zs))
         allz = torch.cat(self.latents[: min(len(self.latents), 100)]).float()
         self.z_mean, self.z_std = float(allz.mean()), float(allz.std())
+        dz = torch.cat([(z[1:].float() - z[:-1].float()) for z in self.latents[:100]])
+        self.dz_std = float(dz.std())
         if cache is not None:
             from .checkpoint import atomic_torch_save
 
@@ -167,7 +170,7 @@ class Stage2Stage(StageBase):
         eps = InMemoryEpisodes.load(a.data, a.max_episodes)
         self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp, cache=latent_cache(a.data, self.stage1_file, len(eps.frames)))
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
-                             z_mean=self.data.z_mean, z_std=self.data.z_std)
+                             z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
             cfg = dataclasses.replace(cfg, ch=16, blocks=1, heads=2, emb_dim=16, context=2)
         self.config = cfg
