@@ -37,7 +37,8 @@ def cmd_eval_fidelity(a):
     from .evaluate import fidelity
 
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
-                      decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None)
+                      decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
+                      dynamics_steps=a.dynamics_steps)
     _emit(report, a.json, summary_only=True)
 
 
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--episodes", type=int, default=16)
     ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen"], help="held-out play as in training, or an unseen scripted policy")
     ef.add_argument("--decoder-steps", type=int, default=None)
+    ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)

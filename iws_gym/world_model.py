@@ -149,13 +149,15 @@ class WorldModel:
         return np.stack(frames)
 
 
-def load_predictor(checkpoint, decoder_steps: int | None = None):
+def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
     decoded (teacher-forced, not a rollout); the report labels it so."""
     if WorldModel.has_stage(checkpoint, "stage2"):
         wm = WorldModel.from_pretrained(checkpoint, stages=("stage1", "stage2"))
+        wm.decoder_steps = decoder_steps or wm.decoder_steps
+        wm.dynamics_steps = dynamics_steps or wm.dynamics_steps
 
         def roll(ep, horizon):
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)

@@ -167,3 +167,14 @@ def test_standard_wrappers(tiny_checkpoint, tmp_path):
     assert info["episode"]["l"] == 4 and "r" in info["episode"]
     e.close()
     assert list((tmp_path / "videos").glob("*.mp4"))
+
+
+def test_make_with_module_prefix_without_import(tiny_checkpoint):
+    import subprocess
+    import sys
+
+    code = ("import gymnasium as gym; "
+            f"e = gym.make('iws_gym:IWS-TPushing-v0', checkpoint={str(tiny_checkpoint)!r}, device='cpu'); "
+            "print(e.spec.max_episode_steps, e.action_space.shape, sorted(e.observation_space.spaces))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split()[0] == "300" and "agent_pos" in out and "pixels" in out
