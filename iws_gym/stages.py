@@ -110,7 +110,7 @@ class LatentEpisodes:
             c = torch.load(cache, map_location="cpu", weights_only=True)
             if len(c["latents"]) == len(episodes.frames):
                 self.latents, self.z_mean, self.z_std = c["latents"], c["z_mean"], c["z_std"]
-                self.dz_std = float(torch.cat([(z[1:].float() - z[:-1].float()) for z in self.latents[:100]]).std())
+                self.dz_std = self._dz_std()
                 return
         for fr in tqdm(episodes.frames, desc="encoding latents", unit="ep"):
             zs = []
@@ -121,12 +121,15 @@ class LatentEpisodes:
             self.latents.append(torch.cat(zs))
         allz = torch.cat(self.latents[: min(len(self.latents), 100)]).float()
         self.z_mean, self.z_std = float(allz.mean()), float(allz.std())
-        dz = torch.cat([(z[1:].float() - z[:-1].float()) for z in self.latents[:100]])
-        self.dz_std = float(dz.std())
+        self.dz_std = self._dz_std()
         if cache is not None:
             from .checkpoint import atomic_torch_save
 
             atomic_torch_save(dict(latents=self.latents, z_mean=self.z_mean, z_std=self.z_std), cache)
+
+    def _dz_std(self) -> float:
+        """Std of the one-step latent change z_{t+1} - z_t over (up to) the first 100 episodes."""
+        return float(torch.cat([z[1:].float() - z[:-1].float() for z in self.latents[:100]]).std())
 
     def sample(self, rng, batch: int, K: int):
         """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame."""
