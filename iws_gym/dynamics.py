@@ -329,7 +329,9 @@ class Stage2(nn.Module):
         ctx = self.norm(ctx)
         ctx_sigma = torch.rand(B, device=x.device) * c.ctx_sigma_max
         ctx = ctx + ctx_sigma[:, None, None, None, None] * torch.randn_like(ctx)
-        n = schedule.ict_num_scales(step, getattr(self, "total_steps", 20000))
+        # iCT's discretisation curriculum over total_steps; a fine-tuned model carries on from where its
+        # first run ended (curriculum_offset = its steps so far, total_steps = that run's length)
+        n = schedule.ict_num_scales(step + getattr(self, "curriculum_offset", 0), getattr(self, "total_steps", 20000))
         sigmas = schedule.karras_sigmas(n, c.sigma_min, c.sigma_max).to(x.device)
         idx = torch.multinomial(schedule.lognormal_index_probs(sigmas), B, replacement=True).to(x.device)
         s_lo, s_hi = sigmas[idx], sigmas[idx + 1]

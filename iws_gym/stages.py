@@ -147,6 +147,26 @@ class LatentEpisodes:
             nv.append(n_valid)
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
 
+    def sample_rollout(self, rng, batch: int, K: int, R: int):
+        """Windows for training on the model's own predictions: a real context ending at frame t (history
+        length uniform in [1, K], as in `sample`), the K + R actions from its first slot on, and the R + 1
+        frames that follow it. Returns ctx (B, K, C, h, w), actions (B, K + R, 2), targets (B, R + 1, C, h, w),
+        n_valid (B,): after r open-loop steps the window is (real ctx + r predictions)[-K:], its actions
+        actions[:, r : r + K], and its target targets[:, r]."""
+        ctx, act, tgt, nv = [], [], [], []
+        for e in rng.integers(0, len(self.latents), batch):
+            Z, A = self.latents[e], self.actions[e]
+            t = int(rng.integers(0, len(A) - R))          # frames t+1 .. t+R+1 exist
+            n_valid = min(int(rng.integers(1, K + 1)), t + 1)
+            idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
+            ctx.append(Z[idx])
+            a = np.concatenate([A[idx], A[t + 1 : t + R + 1]]).astype(np.float32)
+            a[: K - n_valid] = 0.0
+            act.append(a)
+            tgt.append(Z[t + 1 : t + R + 2])
+            nv.append(n_valid)
+        return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
+
 
 def latent_cache(data, stage1_file, n_episodes: int) -> Path:
     """Where a dataset's latents under one stage-1 release are cached (in the git-ignored data dir)."""
@@ -176,17 +196,56 @@ class Stage2Stage(StageBase):
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
             cfg = dataclasses.replace(cfg, ch=16, blocks=1, heads=2, emb_dim=16, context=2)
+        init_sd = None
+        if a.finetune:  # continue from a stage-2 release: its config (and normalisation) and weights
+            from .checkpoint import load_release
+
+            cfg, init_sd, init_meta = load_release(find_release(a.finetune, "stage2"), "stage2", DynamicsConfig)
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
+        if init_sd is not None:
+            from .checkpoint import load_state_checked
+
+            load_state_checked(self.model, init_sd, find_release(a.finetune, "stage2"))
+            self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
         held_eps = list(heldout_episodes(self.task, 4, 48))
         held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])
         self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
+        # open-loop evaluation: rollouts from a single real frame, as the env runs them
+        self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
+
+    EVAL_DEPTH = 16
+
+    @staticmethod
+    def open_loop(model, ctx, act, nv, depth: int, steps: int = 1, generator=None):
+        """Roll `model` open loop for `depth` steps from real windows (see LatentEpisodes.sample_rollout):
+        returns the last window, its actions and n_valid, and the predictions (B, depth, C, h, w)."""
+        K = ctx.shape[1]
+        preds = []
+        for d in range(depth):
+            z = model.predict(ctx, act[:, d : d + K], nv, steps=steps, generator=generator).float()
+            preds.append(z)
+            ctx = torch.cat([ctx[:, 1:], z[:, None]], dim=1)
+            nv = (nv + 1).clamp(max=K)
+        preds = torch.stack(preds, 1) if preds else ctx.new_zeros(ctx.shape[0], 0, *ctx.shape[2:])
+        return ctx, act[:, depth : depth + K], nv, preds
 
     def sample_batch(self, rng, batch):
-        return tuple(t.to(self.device) for t in self.data.sample(rng, batch, self.config.context))
+        """Teacher-forced windows; with --rollout R, half the batches instead have a context whose last r
+        frames (r uniform in 1..R) are the current model's own open-loop predictions (no gradient through
+        them) and the real frame after them as target, so it learns to correct its own errors rather
+        than compound them (context noise alone only imitates those errors)."""
+        K, R = self.config.context, self.a.rollout
+        if R <= 0 or rng.random() < 0.5:
+            return tuple(t.to(self.device) for t in self.data.sample(rng, batch, K))
+        r = int(rng.integers(1, R + 1))
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r))
+        with torch.no_grad():
+            ctx, act, nv, _ = self.open_loop(self.model, ctx, act, nv, r)
+        return ctx, act, tgt[:, r], nv
 
     def evaluate(self, ema) -> dict:
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_batch)
@@ -195,12 +254,21 @@ class Stage2Stage(StageBase):
             pred = ema.predict(ctx, act, nv, steps=steps, generator=torch.Generator().manual_seed(0))
             out[f"latent_mse_{steps}step"] = (pred - tgt).pow(2).mean().item()
         out["latent_mse_copy_last"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
+        D = self.EVAL_DEPTH
+        *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))
+        out[f"open_loop_mse_step{D}"] = (preds[:, -1] - tgt[:, -1]).pow(2).mean().item()
+        out[f"open_loop_mse_mean{D}"] = (preds - tgt).pow(2).mean().item()
+        out[f"open_loop_mse_step{D}_copy_first"] = (ctx[:, -1] - tgt[:, -1]).pow(2).mean().item()
         return out
 
     def export(self, ema, out, result):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
-                     task=self.task.name)
+                     task=self.task.name, rollout=self.a.rollout)
+        if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
+            extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
+                         finetune_steps=result["step"])
         save_release(out / "stage2.safetensors", ema.state_dict(), "stage2", self.config, extra)
 
 

@@ -52,6 +52,9 @@ class TrainArgs:
     crop: int = 0                     # stage 1: train on random aligned crops of this size (0: full frames)
     preset: str = "default"           # model size preset of the stage: default | tiny (tests)
     init: str | None = None           # stage 2/3: path of the stage-1 (and stage-2) release they build on
+    finetune: str | None = None       # stage 2: start from the weights (and config) of this stage-2 release
+    rollout: int = 0                  # stage 2: contexts partly made of the model's own open-loop predictions,
+                                      #   up to this many steps deep (0: teacher forcing only); see Stage2Stage
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:
