@@ -38,7 +38,7 @@ def cmd_eval_fidelity(a):
 
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
-                      dynamics_steps=a.dynamics_steps)
+                      dynamics_steps=a.dynamics_steps, reencode=a.reencode)
     _emit(report, a.json, summary_only=True)
 
 
@@ -52,7 +52,7 @@ def cmd_eval_stability(a):
     from .stability import stability
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
-                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device), a.json)
+                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen"], help="held-out play as in training, or an unseen scripted policy")
     ef.add_argument("--decoder-steps", type=int, default=None)
     ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
+    ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
+                    help="encode each decoded frame back into the context (the env's default)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--actions", nargs="+", default=["random", "scripted"], choices=["random", "scripted"])
     es.add_argument("--seed", type=int, default=0)
     es.add_argument("--device", default="auto")
+    es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
+                    help="encode each decoded frame back into the context (the env's default)")
     es.add_argument("--strip", default=None, help="PNG: a row of frames across each rollout")
     es.add_argument("--json", default=None)
     es.set_defaults(fn=cmd_eval_stability)

@@ -34,7 +34,8 @@ rendered by gym-pusht's own renderer so one policy can start identically in both
 ## Arguments
 `obs_type`, `render_mode` ("rgb_array" | "human"), `observation_width`, `observation_height`,
 `checkpoint` (None: the shipped weights), `device` ("auto": CUDA if present, else CPU, bf16),
-`scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`.
+`scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`, `reencode` (default True: each
+decoded observation is encoded back into the context window; see WorldModel.step).
 
 ## Version history
 - v0: first release.
@@ -79,7 +80,7 @@ def check_frame(frame, size: int) -> np.ndarray:
 
 
 def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
-                world_model, decoder_steps, dynamics_steps):
+                world_model, decoder_steps, dynamics_steps, reencode=None):
     """What the single and the vector env share: task, world model, scorer, single-env spaces."""
     from .world_model import WorldModel
 
@@ -92,6 +93,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
         env.wm.decoder_steps = decoder_steps
     if dynamics_steps:
         env.wm.dynamics_steps = dynamics_steps
+    if reencode is not None:
+        env.wm.reencode = bool(reencode)
     env.obs_type, env.size = obs_type, env.task.frame_size
     env.obs_hw = (observation_height, observation_width)
     env.scorer = scorer or TPushCoverageScorer(frame_size=env.size)
@@ -138,13 +141,14 @@ class WorldSimEnv(gym.Env):
     def __init__(self, obs_type: str = "pixels_agent_pos", render_mode: str | None = None,
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None,
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
-                 dynamics_steps: int | None = None, task: str = "tpushing", world_model=None):
+                 dynamics_steps: int | None = None, task: str = "tpushing", world_model=None,
+                 reencode: bool | None = None):
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
         self.render_mode = render_mode
         self.action_space, self.observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps)
+            decoder_steps, dynamics_steps, reencode)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None
@@ -180,8 +184,7 @@ class WorldSimEnv(gym.Env):
         if self._state is None:
             raise RuntimeError("call reset() before step()")
         a = check_action(action, self.task.action_low, self.task.action_high)
-        z = self.wm.advance(self._state, torch.from_numpy(a)[None], generator=self._gen)
-        self._frame = self.wm.decode(z, generator=self._gen)[0]
+        self._frame = self.wm.step(self._state, torch.from_numpy(a)[None], generator=self._gen)[0]
         self._agent = read_agent(self._frame, self._agent)
         score = self.scorer(self._frame[None])[0]
         info = {"is_success": score.is_success, **score.info}

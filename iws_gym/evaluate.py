@@ -94,7 +94,7 @@ def _copy_first(ep, horizon):
 
 def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
              behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None,
-             dynamics_steps: int | None = None) -> dict:
+             dynamics_steps: int | None = None, reencode: bool = True) -> dict:
     """The fidelity report: per-step and summary metrics for the model and both baselines."""
     from tqdm import tqdm
 
@@ -106,7 +106,8 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     if checkpoint is not None:
         from .world_model import load_predictor
 
-        model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps, dynamics_steps=dynamics_steps)
+        model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps, dynamics_steps=dynamics_steps,
+                                             reencode=reencode)
         predictors["model"] = predict
     per = {name: {} for name in predictors}
     timings = {name: 0.0 for name in predictors}
@@ -120,7 +121,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
                 per[name].setdefault(k, []).append(v)
     report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
                   checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
-                  decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1,
+                  decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, reencode=reencode,
                   heldout_seeds=[task.heldout_seed_base, task.heldout_seed_base + episodes - 1],
                   not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
                   per_step={}, summary={}, wall_s=None)

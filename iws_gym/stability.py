@@ -91,7 +91,8 @@ def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) 
 
 
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
-              kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto") -> dict:
+              kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
+              reencode: bool = True) -> dict:
     from tqdm import tqdm
 
     from .world_model import WorldModel
@@ -99,9 +100,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     if steps <= 0 or check_every <= 0:
         raise ValueError(f"--steps and --check-every must be > 0, got {steps} and {check_every}")
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
+    wm.reencode = reencode
     real = [ep for ep in heldout_episodes(task, 8, 50, offset=6000)]
     envelope = calibrate(np.concatenate([ep["frames"][::5] for ep in real]))
-    report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed,
+    report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
                   validity="agent and block detectable; agent area, block area, T-fit residual, mean colour and "
                            "off-palette share inside the envelope of real frames (widened by 25% of its span)",
                   envelope=envelope, rollouts={})
@@ -115,9 +117,14 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         first_fail, fail_counts, n_checks, n_bad, shown = None, {}, 0, 0, [first]
         t0 = time.time()
         for t in tqdm(range(steps), desc=f"stability ({kind})"):
-            z = wm.advance(state, torch.from_numpy(actions[t])[None], generator=gen)
+            # every step is decoded when the context is re-encoded from frames; otherwise only checked ones
+            if wm.reencode:
+                frame = wm.step(state, torch.from_numpy(actions[t])[None], generator=gen)[0]
+            else:
+                z = wm.advance(state, torch.from_numpy(actions[t])[None], generator=gen)
             if (t + 1) % check_every == 0 or t + 1 == steps:
-                frame = wm.decode(z, generator=gen)[0]
+                if not wm.reencode:
+                    frame = wm.decode(z, generator=gen)[0]
                 bad = failures(frame_stats(frame), envelope)
                 n_checks += 1
                 n_bad += bool(bad)

@@ -27,14 +27,15 @@ class WorldSimVectorEnv(VectorEnv):
     def __init__(self, num_envs: int = 1, obs_type: str = "pixels_agent_pos", render_mode: str | None = None,
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None, device: str = "auto",
                  scorer=None, task: str = "tpushing", max_episode_steps: int | None = 300,
-                 autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None):
+                 autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None,
+                 reencode=None):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"the vector env renders 'rgb_array' only, got {render_mode!r}")
         self.single_action_space, self.single_observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps)
+            decoder_steps, dynamics_steps, reencode)
         self.num_envs, self.render_mode = num_envs, render_mode
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
@@ -110,8 +111,7 @@ class WorldSimVectorEnv(VectorEnv):
         # NEXT_STEP: envs that finished on the previous step are reset now and their action is ignored
         resetting = np.flatnonzero(self._needs_reset) if self.autoreset_mode == AutoresetMode.NEXT_STEP else np.array([], int)
         stepping = np.setdiff1d(np.arange(self.num_envs), resetting)
-        z = self.wm.advance(self._state, torch.from_numpy(a), generator=self._gen)  # one batched forward for all
-        frames = self.wm.decode(z, generator=self._gen)
+        frames = self.wm.step(self._state, torch.from_numpy(a), generator=self._gen)  # one batched forward for all
         self._frames[stepping] = frames[stepping]  # the resetting envs' slices are overwritten below
         for i in stepping:
             self._agents[i] = read_agent(self._frames[i], self._agents[i])

@@ -29,13 +29,15 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 class WorldModel:
     def __init__(self, stage1: Stage1, device: torch.device, path: Path | None = None, meta: dict | None = None,
-                 dtype=torch.bfloat16, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1):
+                 dtype=torch.bfloat16, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1,
+                 reencode: bool = True):
         self.device, self.path, self.meta, self.dtype = device, path, meta or {}, dtype
         self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
         self.stage2 = stage2.to(device).eval().requires_grad_(False).to(dtype) if stage2 is not None else None
         self.dynamics_steps = dynamics_steps
         self.frame_size = stage1.cfg.encoder.frame_size
         self.decoder_steps = decoder_steps
+        self.reencode = reencode
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype=torch.bfloat16) -> "WorldModel":
@@ -119,6 +121,21 @@ class WorldModel:
         return z
 
     @torch.inference_mode()
+    def step(self, state: dict, actions: torch.Tensor, generator: torch.Generator | None = None,
+             steps: int | None = None) -> np.ndarray:
+        """One env step: predict z_{t+1}, decode the frame the user sees, and (with `reencode`, the
+        default) put that frame's encoding into the context in place of the raw prediction, so the window
+        always holds latents of renderable frames, as at reset. Without it, small off-manifold errors of
+        the prediction feed back into the next one and compound (measured: README, "Re-encoding").
+        Returns the frames (B, H, W, 3) uint8."""
+        z = self.advance(state, actions, generator=generator, steps=steps)
+        frames = self.decode(z, generator=generator)
+        if self.reencode:
+            z_obs = self.encode(frames).to(state["ctx"].dtype)
+            state["ctx"] = torch.cat([state["ctx"][:, :-1], z_obs[:, None]], dim=1)
+        return frames
+
+    @torch.inference_mode()
     def predict_teacher_forced(self, frames: np.ndarray, actions: np.ndarray, seed: int = 0, batch: int = 64) -> np.ndarray:
         """One-step predictions from real history: frames (T+1, H, W, 3) uint8, actions (T, 2) ->
         (T, H, W, 3), where prediction t+1 sees the real frames <= t (up to K of them) and actions <= t."""
@@ -144,12 +161,12 @@ class WorldModel:
         state = self.start(self.encode(first_frame[None]))
         frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
-            z = self.advance(state, torch.from_numpy(a)[None], generator=gen, steps=steps)
-            frames.append(self.decode(z, generator=gen)[0])
+            frames.append(self.step(state, torch.from_numpy(a)[None], generator=gen, steps=steps)[0])
         return np.stack(frames)
 
 
-def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None):
+def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,
+                   reencode: bool = True):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
@@ -158,6 +175,7 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
         wm = WorldModel.from_pretrained(checkpoint, stages=("stage1", "stage2"))
         wm.decoder_steps = decoder_steps or wm.decoder_steps
         wm.dynamics_steps = dynamics_steps or wm.dynamics_steps
+        wm.reencode = reencode
 
         def roll(ep, horizon):
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)

@@ -117,3 +117,69 @@ def test_stage3_fine_tunes_the_decoder_on_predicted_latents(tiny_dataset, tiny_c
     shutil.copy(out / "stage3.safetensors", ck)
     wm = WorldModel.from_pretrained(ck, device="cpu", stages=("stage1", "stage2"))
     assert "stage3" in wm.meta and wm.rollout(np.full((128, 128, 3), 255, np.uint8), np.zeros((2, 2))).shape[0] == 3
+
+
+def _counting_latents(lengths=(30, 40)):
+    """LatentEpisodes whose frame t is filled with the value t (and action t = (t, -t)), for alignment checks."""
+    from iws_gym.stages import LatentEpisodes
+
+    lat = object.__new__(LatentEpisodes)
+    lat.latents = [torch.arange(n + 1, dtype=torch.float16)[:, None, None, None].expand(n + 1, 8, 16, 16).clone() for n in lengths]
+    lat.actions = [np.stack([np.arange(n), -np.arange(n)], 1).astype(np.float32) for n in lengths]
+    return lat
+
+
+class _PlusOne:
+    """A stand-in dynamics model that predicts z_{t+1} = z_t + 1 and checks the actions it is given."""
+
+    def predict(self, ctx, actions, n_valid, steps=1, generator=None):
+        last = ctx[:, -1, 0, 0, 0]
+        assert torch.equal(actions[:, -1, 0], last.to(actions.dtype))  # the action taken at the last context frame
+        return ctx[:, -1] + 1
+
+
+def test_rollout_windows_line_up_with_their_targets():
+    from iws_gym.stages import Stage2Stage
+
+    lat, K, R = _counting_latents(), 4, 5
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 64, K, R)
+    assert ctx.shape == (64, K, 8, 16, 16) and act.shape == (64, K + R, 2) and tgt.shape == (64, R + 1, 8, 16, 16)
+    t = ctx[:, -1, 0, 0, 0]
+    for r in range(R + 1):
+        assert torch.equal(tgt[:, r, 0, 0, 0], t + 1 + r)
+        c2, a2, n2, preds = Stage2Stage.open_loop(_PlusOne(), ctx, act, nv, r)
+        assert torch.equal(c2[:, -1, 0, 0, 0] + 1, tgt[:, r, 0, 0, 0])  # the window after r steps predicts target r
+        assert torch.equal(n2, (nv + r).clamp(max=K)) and preds.shape[1] == r
+    assert (act[:, :K][torch.arange(K)[None].expand(64, K) < (K - nv)[:, None]] == 0).all()  # padded slots: no action
+
+
+def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_checkpoint, tmp_path):
+    from iws_gym.checkpoint import load_release
+
+    out = tmp_path / "ft"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
+            "--rollout", 3, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
+    r = json.loads((out / "train_result.json").read_text())
+    assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
+    _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
+    cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert cfg1.ch == 16  # the release's (tiny) config, not the default one
+    assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3
+    for k in sd0:  # lr 0: the weights are the release's
+        torch.testing.assert_close(sd1[k].float(), sd0[k].float())
+
+
+def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
+    wm = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"))
+    frame = np.full((1, 128, 128, 3), 255, np.uint8)
+    a = torch.tensor([[300.0, 200.0]])
+    for reencode in (True, False):
+        wm.reencode = reencode
+        state = wm.start(wm.encode(frame))
+        ref = {k: v.clone() for k, v in state.items()}
+        z = wm.advance(ref, a, generator=torch.Generator().manual_seed(0))
+        frames = wm.step(state, a, generator=torch.Generator().manual_seed(0))
+        assert frames.shape == (1, 128, 128, 3) and frames.dtype == np.uint8
+        expect = wm.encode(frames).float() if reencode else z
+        torch.testing.assert_close(state["ctx"][:, -1].float(), expect.float())
+        torch.testing.assert_close(state["ctx"][:, :-1], ref["ctx"][:, :-1])  # the rest of the window slid as usual
