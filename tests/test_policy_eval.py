@@ -80,9 +80,20 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
     for p in r["per_policy"].values():
         assert len(p["scores_learned"]) == 2 and len(p["scores_ground_truth"]) == 2
     assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap"} <= set(r["overall"])
-    assert (tmp_path / "corr.png").stat().st_size > 0
+    assert (tmp_path / "corr.png").stat().st_size > 0 and r["workers"] == 2
+    # one process gives the same scores as the two worker processes (same starts, same seeds)
+    one = tmp_path / "corr1.json"
+    run_iws("eval", "correlate", "--checkpoint", tiny_checkpoint, "--episodes", 2, "--horizon", 3,
+            "--policies", "idle", "random", "bc_step300", "--workers", 1, "--json", one, env={"OMP_NUM_THREADS": "1"})
+    r1 = json.loads(one.read_text())
+    assert list(r1["per_policy"]) == list(r["per_policy"])
+    for name, p in r["per_policy"].items():
+        np.testing.assert_allclose(r1["per_policy"][name]["scores_ground_truth"], p["scores_ground_truth"])
+        np.testing.assert_allclose(r1["per_policy"][name]["scores_learned"], p["scores_learned"], atol=1e-6)
     proc = run_iws("eval", "correlate", "--policies", "nope", check=False)
     assert proc.returncode == 2 and "nope" in proc.stderr
+    proc = run_iws("eval", "correlate", "--workers", 0, check=False)
+    assert proc.returncode == 2 and "--workers" in proc.stderr
 
 
 def test_probe_edits_and_command(tiny_checkpoint, tmp_path):
