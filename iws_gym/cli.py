@@ -65,7 +65,8 @@ def cmd_eval_correlate(a):
     from .policy_eval import correlate
 
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
-                    plot=Path(a.plot) if a.plot else None, workers=a.workers), a.json)
+                    plot=Path(a.plot) if a.plot else None, workers=a.workers,
+                    reencode=a.reencode), a.json)
 
 
 def cmd_eval_probe(a):
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--seed", type=int, default=0)
     ec.add_argument("--policies", nargs="+", default=None, help="a subset of the suite (default: all)")
     ec.add_argument("--workers", type=int, default=2, help="policies run at once in separate processes")
+    ec.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
+                    help="the learned env re-encodes each observation into its context (its default)")
     ec.add_argument("--checkpoint", default=None)
     ec.add_argument("--device", default="auto")
     ec.add_argument("--plot", default=None)

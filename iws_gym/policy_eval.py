@@ -66,7 +66,7 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
     return np.array(out)
 
 
-def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32):
+def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32, reencode=True):
     import gymnasium as gym
 
     import iws_gym  # noqa: F401
@@ -77,7 +77,7 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     for b0 in range(0, n, batch):
         idx = np.arange(b0, min(n, b0 + batch))
         envs = gym.make_vec("IWS-TPushing-v0", num_envs=len(idx), checkpoint=checkpoint, device=device,
-                            max_episode_steps=horizon + 1)
+                            max_episode_steps=horizon + 1, reencode=reencode)
         obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
         runners = [_Runner(factory, seed + i) for i in idx]
         best = np.array(info["coverage"], dtype=float)
@@ -160,7 +160,7 @@ def spearman(x, y) -> float:
 
 
 def _suite_member(task_name: str, name: str, states, horizon: int, seed: int, checkpoint, device: str,
-                  threads: int | None = None) -> dict:
+                  reencode: bool = True, threads: int | None = None) -> dict:
     """One policy of the suite in both worlds (a top-level function, so worker processes can run it)."""
     import torch
 
@@ -170,7 +170,7 @@ def _suite_member(task_name: str, name: str, states, horizon: int, seed: int, ch
     if threads:
         torch.set_num_threads(threads)
     task, factory = load_task(task_name), suite()[name]
-    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device)
+    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode)
     gt, t_g = run_ground_truth(task, factory, states, horizon, seed)
     return dict(learned=_summary(learned), ground_truth=_summary(gt), gap=float(learned.mean() - gt.mean()),
                 episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
@@ -178,7 +178,7 @@ def _suite_member(task_name: str, name: str, states, horizon: int, seed: int, ch
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
-              device: str = "auto", names=None, plot=None, workers: int = 1) -> dict:
+              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True) -> dict:
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
@@ -201,7 +201,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         policies = {k: v for k, v in policies.items() if k in names}
     states = start_states(task, episodes, seed)
     t0 = time.time()
-    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device)
+    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode)
     if workers == 1:
         per = {name: _suite_member(task.name, name, *args) for name in tqdm(policies, desc="policy suite")}
     else:
@@ -226,7 +226,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                    seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
     overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
                               mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
-    report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers,
+    report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
                   checkpoint=str(checkpoint or task.checkpoint_path),
                   score="max coverage over the episode (Push-T); success = max coverage > 0.95",
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],

@@ -178,3 +178,14 @@ def test_make_with_module_prefix_without_import(tiny_checkpoint):
             "print(e.spec.max_episode_steps, e.action_space.shape, sorted(e.observation_space.spaces))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.split()[0] == "300" and "agent_pos" in out and "pixels" in out
+
+
+def test_reencode_is_an_env_option(tiny_checkpoint):
+    import gymnasium as gym
+
+    env = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", reencode=False)
+    assert env.unwrapped.wm.reencode is False
+    env.reset(seed=0)
+    obs, *_ = env.step(np.array([256.0, 256.0], np.float32))
+    assert obs["pixels"].shape == (128, 128, 3)
+    assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode is True

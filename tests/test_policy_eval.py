@@ -86,6 +86,7 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
     run_iws("eval", "correlate", "--checkpoint", tiny_checkpoint, "--episodes", 2, "--horizon", 3,
             "--policies", "idle", "random", "bc_step300", "--workers", 1, "--json", one, env={"OMP_NUM_THREADS": "1"})
     r1 = json.loads(one.read_text())
+    assert r["reencode"] is True and r1["workers"] == 1
     assert list(r1["per_policy"]) == list(r["per_policy"])
     for name, p in r["per_policy"].items():
         np.testing.assert_allclose(r1["per_policy"][name]["scores_ground_truth"], p["scores_ground_truth"])
