@@ -159,9 +159,10 @@ def spearman(x, y) -> float:
     return pearson(_ranks(np.asarray(x, float)), _ranks(np.asarray(y, float)))
 
 
-def _suite_member(task_name: str, name: str, states, horizon: int, seed: int, checkpoint, device: str,
-                  reencode: bool = True, threads: int | None = None) -> dict:
-    """One policy of the suite in both worlds (a top-level function, so worker processes can run it)."""
+def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
+               reencode: bool = True, threads: int | None = None):
+    """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
+    can run it). Returns (scores, seconds per episode)."""
     import torch
 
     from .policies import suite
@@ -170,11 +171,9 @@ def _suite_member(task_name: str, name: str, states, horizon: int, seed: int, ch
     if threads:
         torch.set_num_threads(threads)
     task, factory = load_task(task_name), suite()[name]
-    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode)
-    gt, t_g = run_ground_truth(task, factory, states, horizon, seed)
-    return dict(learned=_summary(learned), ground_truth=_summary(gt), gap=float(learned.mean() - gt.mean()),
-                episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
-                seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist())
+    if world == "learned":
+        return run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode)
+    return run_ground_truth(task, factory, states, horizon, seed)
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
@@ -182,9 +181,10 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
-    workers > 1 runs that many policies at once in separate processes (one torch thread each): the
-    frame-reading policies spend most of their time in single-threaded numpy, so on a 2-core machine two
-    workers nearly halve the wall time. Every policy sees the same starts and seeds either way."""
+    workers > 1 runs that many (policy, world) jobs at once in separate processes (one torch thread
+    each), the frame-reading pushers first because they are the slowest: those policies spend most of
+    their time in single-threaded numpy, so two workers on a 2-core machine nearly halve the wall time.
+    Every job sees the same starts and seeds either way."""
     from tqdm import tqdm
 
     from .policies import suite
@@ -202,16 +202,22 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     states = start_states(task, episodes, seed)
     t0 = time.time()
     args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode)
+    jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
     if workers == 1:
-        per = {name: _suite_member(task.name, name, *args) for name in tqdm(policies, desc="policy suite")}
+        res = {j: _suite_run(task.name, *j, *args) for j in tqdm(jobs, desc="policy suite (policy x world)")}
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_suite_member, task.name, name, *args, 1): name for name in policies}
-            done = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite")}
-        per = {name: done[name] for name in policies}  # the suite's order, whatever finished first
+            futs = {pool.submit(_suite_run, task.name, *j, *args, 1): j for j in jobs}
+            res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
+    per = {}
+    for name in policies:  # the suite's order, whatever finished first
+        (learned, t_l), (gt, t_g) = res[(name, "learned")], res[(name, "ground_truth")]
+        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=float(learned.mean() - gt.mean()),
+                         episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
+                         seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist())
     L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
     G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
     all_l = np.concatenate([p["scores_learned"] for p in per.values()])
