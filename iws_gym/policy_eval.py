@@ -252,13 +252,14 @@ def plot_correlation(report: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 5.5))
     for name, p in report["per_policy"].items():
         g, l = p["ground_truth"], p["learned"]
-        ax.errorbar(g["mean_max_coverage"], l["mean_max_coverage"], xerr=g["stderr"], yerr=l["stderr"], fmt="o", capsize=3)
-        ax.annotate(name, (g["mean_max_coverage"], l["mean_max_coverage"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.errorbar(g["mean_max_coverage"], l["mean_max_coverage"], xerr=g["stderr"], yerr=l["stderr"], fmt="o",
+                    capsize=3, label=name)
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
     o = report["overall"]
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="gym-pusht (ground truth): mean max coverage",
            ylabel="IWS-TPushing-v0 (learned): mean max coverage",
            title=f"r = {o['pearson_r']:.3f}, rho = {o['spearman_rho']:.3f}, mean |gap| = {o['mean_abs_gap']:.3f}")
+    ax.legend(fontsize=7, loc="upper left")  # a legend, not labels at the points: scores often cluster
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
