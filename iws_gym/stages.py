@@ -132,20 +132,10 @@ class LatentEpisodes:
         return float(torch.cat([z[1:].float() - z[:-1].float() for z in self.latents[:100]]).std())
 
     def sample(self, rng, batch: int, K: int):
-        """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame."""
-        ctx, act, tgt, nv = [], [], [], []
-        for e in rng.integers(0, len(self.latents), batch):
-            Z, A = self.latents[e], self.actions[e]
-            t = int(rng.integers(0, len(A)))            # predict Z[t+1] from frames <= t
-            n_valid = min(int(rng.integers(1, K + 1)), t + 1)
-            idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
-            ctx.append(Z[idx])
-            a = A[idx].copy()
-            a[: K - n_valid] = 0.0
-            act.append(a)
-            tgt.append(Z[t + 1])
-            nv.append(n_valid)
-        return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
+        """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame.
+        Returns ctx (B, K, C, h, w), actions (B, K, 2), the next frame (B, C, h, w), n_valid (B,)."""
+        ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0)
+        return ctx, act, tgt[:, 0], nv
 
     def sample_rollout(self, rng, batch: int, K: int, R: int):
         """Windows for training on the model's own predictions: a real context ending at frame t (history
@@ -196,18 +186,16 @@ class Stage2Stage(StageBase):
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
             cfg = dataclasses.replace(cfg, ch=16, blocks=1, heads=2, emb_dim=16, context=2)
-        init_sd = None
         if a.finetune:  # continue from a stage-2 release: its config (and normalisation) and weights
-            from .checkpoint import load_release
+            from .checkpoint import load_release, load_state_checked
 
-            cfg, init_sd, init_meta = load_release(find_release(a.finetune, "stage2"), "stage2", DynamicsConfig)
+            f2 = find_release(a.finetune, "stage2")
+            cfg, init_sd, init_meta = load_release(f2, "stage2", DynamicsConfig)
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
-        if init_sd is not None:
-            from .checkpoint import load_state_checked
-
-            load_state_checked(self.model, init_sd, find_release(a.finetune, "stage2"))
+        if a.finetune:
+            load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
         held_eps = list(heldout_episodes(self.task, 4, 48))
@@ -330,11 +318,8 @@ class Stage3Stage(StageBase):
         act = torch.from_numpy(np.stack(act)).to(self.device)
         nv = torch.tensor(nv, device=self.device)
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.a.amp):
-            for d in range(depth):  # roll the frozen dynamics open loop
-                z = self.stage2.predict(ctx, act[:, d : d + K], nv, steps=1)
-                ctx = torch.cat([ctx[:, 1:], z[:, None].float()], dim=1)
-                nv = (nv + 1).clamp(max=K)
-        return frames_to_tensor(np.stack(tgt), self.device), z.float()
+            *_, preds = Stage2Stage.open_loop(self.stage2, ctx, act, nv, depth)  # the frozen dynamics, open loop
+        return frames_to_tensor(np.stack(tgt), self.device), preds[:, -1]
 
     def sample_batch(self, rng, batch):
         return self._batch(rng, batch, self.data, self.episodes.frames)
