@@ -31,6 +31,11 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
     tmp.replace(dest / f"{stage}.safetensors")
     prov_file = dest / "provenance.json"
     prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    # a fine-tune (`--finetune RELEASE`) continues the weights released before it: keep that chain
+    base = None
+    if meta.get("finetuned_from") and stage in prov:
+        old = prov[stage]
+        base = {k: old.get(k) for k in ("command", "steps", "wall_s", "trained_at_commit", "finetuned_from")}
     prov[stage] = dict(
         file=f"{stage}.safetensors", size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
         command=command or result.get("command"), data=meta.get("data"), data_seed=meta.get("data_seed"),
@@ -39,6 +44,10 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
         released_at_commit=git_commit(), train_eval=meta.get("eval"), config=meta.get("config"),
         reports={str(p): json.loads(Path(p).read_text()).get("summary", json.loads(Path(p).read_text())) for p in reports},
     )
+    if base is not None:  # steps and wall time in total; this run's own in finetune_*
+        prov[stage].update(finetune_steps=meta.get("finetune_steps"), finetune_wall_s=result.get("wall_s"),
+                           steps=meta.get("step"), wall_s=round((result.get("wall_s") or 0) + (base["wall_s"] or 0), 1),
+                           finetuned_from=base)
     write_json_atomic(prov_file, prov)
     lines = ["# Provenance of the shipped weights", "",
              "Written by `iws release`; the JSON twin is `provenance.json`. Weights are bf16 safetensors whose",
@@ -50,6 +59,11 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
                   f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
                   f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
                   f"- eval during training: `{json.dumps(p['train_eval'])}`"]
+        b = p.get("finetuned_from")
+        while b:  # the runs it continues, newest first
+            lines.append(f"- fine-tuned from the release trained by `{b['command']}` ({b['steps']} steps in total, "
+                         f"{b['wall_s']} s, commit `{b['trained_at_commit']}`)")
+            b = b.get("finetuned_from")
         for rp, summary in p["reports"].items():
             lines.append(f"- measured by `{rp}`: see that file; summary `{json.dumps(summary)[:600]}`")
         lines.append("")

@@ -137,16 +137,24 @@ class LatentEpisodes:
         ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0)
         return ctx, act, tgt[:, 0], nv
 
-    def sample_rollout(self, rng, batch: int, K: int, R: int):
+    def sample_rollout(self, rng, batch: int, K: int, R: int, focus: float = 0.0):
         """Windows for training on the model's own predictions: a real context ending at frame t (history
         length uniform in [1, K], as in `sample`), the K + R actions from its first slot on, and the R + 1
         frames that follow it. Returns ctx (B, K, C, h, w), actions (B, K + R, 2), targets (B, R + 1, C, h, w),
         n_valid (B,): after r open-loop steps the window is (real ctx + r predictions)[-K:], its actions
-        actions[:, r : r + K], and its target targets[:, r]."""
+        actions[:, r : r + K], and its target targets[:, r].
+
+        focus: the probability that a window is drawn from the transitions listed in `self.hard`
+        (episode, t) - set by the caller, e.g. from `block_moves` - instead of uniformly."""
         ctx, act, tgt, nv = [], [], [], []
+        hard = getattr(self, "hard", None)
         for e in rng.integers(0, len(self.latents), batch):
+            if focus > 0 and hard is not None and len(hard) and rng.random() < focus:
+                e, t = (int(v) for v in hard[rng.integers(0, len(hard))])
+                t = min(t, len(self.actions[e]) - R - 1)
+            else:
+                t = int(rng.integers(0, len(self.actions[e]) - R))  # frames t+1 .. t+R+1 exist
             Z, A = self.latents[e], self.actions[e]
-            t = int(rng.integers(0, len(A) - R))          # frames t+1 .. t+R+1 exist
             n_valid = min(int(rng.integers(1, K + 1)), t + 1)
             idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
             ctx.append(Z[idx])
@@ -156,6 +164,20 @@ class LatentEpisodes:
             tgt.append(Z[t + 1 : t + R + 2])
             nv.append(n_valid)
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
+
+
+def block_moves(paths, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
+    """Transitions (episode, t) in which the T block moves (frame t -> t+1), from the episodes' recorded
+    block poses: (N, 2) int. About a fifth of the mix; the one-step error concentrates there (contact)."""
+    from .data import read_episode
+
+    out = []
+    for e, p in enumerate(paths):
+        pose = read_episode(p, keys=("block_pose",))["block_pose"]
+        d = np.diff(pose, axis=0)
+        moved = (np.abs(d[:, :2]).sum(1) > min_canvas_px) | (np.abs(d[:, 2]) > min_rad)
+        out.extend((e, int(t)) for t in np.flatnonzero(moved))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
 def latent_cache(data, stage1_file, n_episodes: int) -> Path:
@@ -182,6 +204,10 @@ class Stage2Stage(StageBase):
         cfg1 = self.stage1.cfg
         eps = InMemoryEpisodes.load(a.data, a.max_episodes)
         self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp, cache=latent_cache(a.data, self.stage1_file, len(eps.frames)))
+        if not 0.0 <= a.focus <= 1.0:
+            raise ValueError(f"--focus must be in [0, 1], got {a.focus}")
+        if a.focus > 0:
+            self.data.hard = block_moves(eps.paths)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
@@ -202,6 +228,11 @@ class Stage2Stage(StageBase):
         held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])
         self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
+        # ... and windows whose target transition moves the block (contact: where the error concentrates)
+        moves = [np.flatnonzero((np.abs(np.diff(e["block_pose"], axis=0)[:, :2]).sum(1) > 1.0)) for e in held_eps]
+        self.held.hard = np.asarray([(e, t) for e, ts in enumerate(moves) for t in ts], dtype=np.int64).reshape(-1, 2)
+        ctx, act, tgt, nv = self.held.sample_rollout(np.random.default_rng(2), 64, cfg.context, 0, focus=1.0)
+        self.eval_moving = (ctx, act, tgt[:, 0], nv) if len(self.held.hard) else None
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
 
@@ -228,9 +259,10 @@ class Stage2Stage(StageBase):
         than compound them (context noise alone only imitates those errors)."""
         K, R = self.config.context, self.a.rollout
         if R <= 0 or rng.random() < 0.5:
-            return tuple(t.to(self.device) for t in self.data.sample(rng, batch, K))
+            ctx, act, tgt, nv = self.data.sample_rollout(rng, batch, K, 0, focus=self.a.focus)
+            return ctx.to(self.device), act.to(self.device), tgt[:, 0].to(self.device), nv.to(self.device)
         r = int(rng.integers(1, R + 1))
-        ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r))
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r, focus=self.a.focus))
         with torch.no_grad():
             ctx, act, nv, _ = self.open_loop(self.model, ctx, act, nv, r)
         return ctx, act, tgt[:, r], nv
@@ -242,6 +274,11 @@ class Stage2Stage(StageBase):
             pred = ema.predict(ctx, act, nv, steps=steps, generator=torch.Generator().manual_seed(0))
             out[f"latent_mse_{steps}step"] = (pred - tgt).pow(2).mean().item()
         out["latent_mse_copy_last"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+        if self.eval_moving is not None:
+            ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_moving)
+            pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
+            out["latent_mse_1step_block_moving"] = (pred - tgt).pow(2).mean().item()
+            out["latent_mse_copy_last_block_moving"] = (ctx[:, -1] - tgt).pow(2).mean().item()
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
         D = self.EVAL_DEPTH
         *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))
@@ -253,7 +290,7 @@ class Stage2Stage(StageBase):
     def export(self, ema, out, result):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
-                     task=self.task.name, rollout=self.a.rollout)
+                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

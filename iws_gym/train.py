@@ -55,6 +55,8 @@ class TrainArgs:
     finetune: str | None = None       # stage 2: start from the weights (and config) of this stage-2 release
     rollout: int = 0                  # stage 2: contexts partly made of the model's own open-loop predictions,
                                       #   up to this many steps deep (0: teacher forcing only); see Stage2Stage
+    focus: float = 0.0                # stage 2: fraction of windows whose target transition moves the block
+                                      #   (contact), on top of uniform sampling; see block_moves
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

@@ -46,4 +46,5 @@ def tiny_checkpoint(tiny_dataset, tiny_stage1, tmp_path_factory):
     ck.mkdir()
     shutil.copy(tiny_stage1 / "stage1.safetensors", ck)
     shutil.copy(s2 / "stage2.safetensors", ck)
+    (ck.parent / "stage2_run").symlink_to(s2)  # the run it was trained by (for release tests)
     return ck

@@ -2,6 +2,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from iws_gym.dynamics import DynamicsConfig, Stage2
@@ -153,20 +154,57 @@ def test_rollout_windows_line_up_with_their_targets():
     assert (act[:, :K][torch.arange(K)[None].expand(64, K) < (K - nv)[:, None]] == 0).all()  # padded slots: no action
 
 
+def test_focus_draws_the_listed_transitions():
+    lat, K = _counting_latents(), 4
+    lat.hard = np.array([[0, 7], [1, 33]])
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 200, K, 0, focus=1.0)
+    assert set(ctx[:, -1, 0, 0, 0].tolist()) == {7.0, 33.0}  # only the listed transitions t -> t+1
+    assert torch.equal(tgt[:, 0, 0, 0, 0], ctx[:, -1, 0, 0, 0] + 1)
+    ctx, *_ = lat.sample_rollout(np.random.default_rng(0), 200, K, 0, focus=0.5)
+    hits = np.isin(ctx[:, -1, 0, 0, 0].numpy(), [7.0, 33.0]).mean()
+    assert 0.35 < hits < 0.7  # about half from the list, the rest uniform
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 50, K, 5, focus=1.0)  # t moved back so R fits
+    assert tgt.shape[1] == 6 and (tgt[:, -1, 0, 0, 0] <= 40).all()
+
+
+def test_block_moves_reads_the_recorded_block_poses(tiny_dataset):
+    from iws_gym.data import list_episodes, read_episode
+    from iws_gym.stages import block_moves
+
+    paths = list_episodes(tiny_dataset)
+    hard = block_moves(paths)
+    assert hard.ndim == 2 and hard.shape[1] == 2
+    for e, t in hard:
+        pose = read_episode(paths[e], keys=("block_pose",))["block_pose"]
+        d = pose[t + 1] - pose[t]
+        assert np.abs(d[:2]).sum() > 1.0 or abs(d[2]) > 0.01
+
+
 def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_checkpoint, tmp_path):
     from iws_gym.checkpoint import load_release
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--rollout", 3, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
+            "--rollout", 3, "--focus", 0.5, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
     _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
     cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
-    assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3
+    assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3 and meta1["focus"] == 0.5
+    assert r["eval"]["latent_mse_copy_last_block_moving"] > 0  # held-out windows in which the block moves
     for k in sd0:  # lr 0: the weights are the release's
         torch.testing.assert_close(sd1[k].float(), sd0[k].float())
+    # releasing the fine-tune keeps the chain: the base run's command, total steps and wall time
+    dest = tmp_path / "ck"
+    run_iws("release", "--run", tiny_checkpoint.parent / "stage2_run", "--stage", "stage2", "--dest", dest)
+    base = json.loads((dest / "provenance.json").read_text())["stage2"]
+    run_iws("release", "--run", out, "--stage", "stage2", "--dest", dest)
+    p = json.loads((dest / "provenance.json").read_text())["stage2"]
+    assert p["finetuned_from"]["command"] == base["command"] and "--finetune" in p["command"]
+    assert p["steps"] == base["steps"] + 3 and p["finetune_steps"] == 3
+    assert p["wall_s"] == pytest.approx(base["wall_s"] + p["finetune_wall_s"], abs=0.2)
+    assert "fine-tuned from the release trained by" in (dest / "PROVENANCE.md").read_text()
 
 
 def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
