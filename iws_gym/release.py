@@ -35,7 +35,10 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
     base = None
     if meta.get("finetuned_from") and stage in prov:
         old = prov[stage]
-        base = {k: old.get(k) for k in ("command", "steps", "wall_s", "trained_at_commit", "finetuned_from")}
+        if old.get("command") == (command or result.get("command")) and old.get("steps") == meta.get("step"):
+            base = old.get("finetuned_from")  # the same fine-tune released again (new reports): same chain
+        else:
+            base = {k: old.get(k) for k in ("command", "steps", "wall_s", "trained_at_commit", "finetuned_from")}
     prov[stage] = dict(
         file=f"{stage}.safetensors", size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
         command=command or result.get("command"), data=meta.get("data"), data_seed=meta.get("data_seed"),

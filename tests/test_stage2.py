@@ -205,6 +205,8 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
     assert p["steps"] == base["steps"] + 3 and p["finetune_steps"] == 3
     assert p["wall_s"] == pytest.approx(base["wall_s"] + p["finetune_wall_s"], abs=0.2)
     assert "fine-tuned from the release trained by" in (dest / "PROVENANCE.md").read_text()
+    run_iws("release", "--run", out, "--stage", "stage2", "--dest", dest)  # released again (e.g. with reports)
+    assert json.loads((dest / "provenance.json").read_text())["stage2"] == p
 
 
 def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
