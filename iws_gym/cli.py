@@ -42,6 +42,12 @@ def cmd_eval_fidelity(a):
     _emit(report, a.json, summary_only=True)
 
 
+def cmd_eval_contact(a):
+    from .evaluate import contact_error
+
+    _emit(contact_error(_task(a.task), a.checkpoint, a.data, a.train_episodes, a.heldout, a.steps, a.windows, a.seed), a.json)
+
+
 def cmd_eval_policy(a):
     from .policy_eval import evaluate_policy
 
@@ -184,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)
 
+    eco = esub.add_parser("contact", help="one-step dynamics error on all vs block-moving windows, train vs held out")
+    eco.add_argument("--task", default="tpushing")
+    eco.add_argument("--checkpoint", default=None, help="checkpoint dir (default: the task's shipped weights)")
+    eco.add_argument("--data", default="data/tpushing", help="the training dataset (its first --train-episodes)")
+    eco.add_argument("--train-episodes", type=int, default=100)
+    eco.add_argument("--heldout", type=int, default=16, help="held-out episodes generated from unseen seeds")
+    eco.add_argument("--steps", type=int, default=100, help="steps per held-out episode")
+    eco.add_argument("--windows", type=int, default=256, help="windows per set and kind")
+    eco.add_argument("--seed", type=int, default=0)
+    eco.add_argument("--json", default=None)
+    eco.set_defaults(fn=cmd_eval_contact)
     epo = esub.add_parser("policy", help="Monte-Carlo policy evaluation in the learned env (and the ground truth)")
     epo.add_argument("--task", default="tpushing")
     epo.add_argument("--policy", required=True, help="MODULE:CALLABLE, e.g. iws_gym.policies:FramePusher")

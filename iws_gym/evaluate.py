@@ -284,3 +284,48 @@ def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 
         report["by_source"][s] = out
     report["wall_s"] = round(time.time() - t0, 1)
     return report
+
+
+def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_episodes: int = 100,
+                  heldout: int = 16, steps: int = 100, windows: int = 256, seed: int = 0) -> dict:
+    """Where the dynamics' one-step error is: latent MSE of one-step predictions (1 consistency step, from
+    real history) on all windows and on windows whose target transition moves the T block (contact),
+    against copying the last latent, on training episodes (the first `train_episodes` of `data`) and on
+    held-out ones. The ratio model / copy is the share of the change the model leaves unexplained; a
+    train-vs-held-out gap separates overfitting from underfitting."""
+    import torch
+
+    from .checkpoint import load_release, load_state_checked
+    from .data import InMemoryEpisodes
+    from .decoder import Stage1, Stage1Config
+    from .dynamics import DynamicsConfig, Stage2
+    from .stages import LatentEpisodes, block_moves, load_stage, moving_transitions
+
+    if min(train_episodes, heldout, steps, windows) <= 0:
+        raise ValueError("--train-episodes, --heldout, --steps and --windows must be > 0")
+    ck = Path(checkpoint or task.checkpoint_path)
+    s1, *_ = load_stage(ck, "stage1", Stage1Config, Stage1, "cpu")
+    cfg, sd, _ = load_release(ck / "stage2.safetensors", "stage2", DynamicsConfig)
+    model = Stage2(cfg)
+    load_state_checked(model, sd, ck / "stage2.safetensors")
+    model.eval()
+    train = InMemoryEpisodes.load(Path(data), train_episodes)
+    held_eps = list(heldout_episodes(task, heldout, steps, offset=5000))
+    held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])
+    sets = {"train": (train, block_moves(train.paths)),
+            "heldout": (held, moving_transitions([e["block_pose"] for e in held_eps]))}
+    report = dict(task=task.name, checkpoint=str(ck), data=str(data), train_episodes=len(train.frames),
+                  heldout_episodes=heldout, steps=steps, windows=windows, by_set={})
+    K = cfg.context
+    for name, (eps, hard) in sets.items():
+        lat = LatentEpisodes(eps, s1.encoder, "cpu")
+        lat.hard = hard
+        out = dict(block_moving_share=round(len(hard) / sum(len(a) for a in eps.actions), 4))
+        for kind, focus in (("all", 0.0), ("block_moving", 1.0)):
+            ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(seed), windows, K, 0, focus=focus)
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+                pred = model.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(seed)).float()
+            m, c = (pred - tgt[:, 0]).pow(2).mean().item(), (ctx[:, -1] - tgt[:, 0]).pow(2).mean().item()
+            out[kind] = dict(model_mse=m, copy_last_mse=c, unexplained=m / c)
+        report["by_set"][name] = out
+    return report

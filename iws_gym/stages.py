@@ -166,18 +166,22 @@ class LatentEpisodes:
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
 
 
-def block_moves(paths, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
-    """Transitions (episode, t) in which the T block moves (frame t -> t+1), from the episodes' recorded
-    block poses: (N, 2) int. About a fifth of the mix; the one-step error concentrates there (contact)."""
-    from .data import read_episode
-
+def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
+    """Transitions (episode, t) in which the T block moves (frame t -> t+1), from each episode's block
+    poses (T+1, 3): (N, 2) int. About a fifth of the training mix; the one-step error concentrates there."""
     out = []
-    for e, p in enumerate(paths):
-        pose = read_episode(p, keys=("block_pose",))["block_pose"]
+    for e, pose in enumerate(block_poses):
         d = np.diff(pose, axis=0)
         moved = (np.abs(d[:, :2]).sum(1) > min_canvas_px) | (np.abs(d[:, 2]) > min_rad)
         out.extend((e, int(t)) for t in np.flatnonzero(moved))
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def block_moves(paths) -> np.ndarray:
+    """`moving_transitions` of the episodes stored at `paths` (their recorded block poses)."""
+    from .data import read_episode
+
+    return moving_transitions([read_episode(p, keys=("block_pose",))["block_pose"] for p in paths])
 
 
 def latent_cache(data, stage1_file, n_episodes: int) -> Path:
@@ -229,8 +233,7 @@ class Stage2Stage(StageBase):
         self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
         # ... and windows whose target transition moves the block (contact: where the error concentrates)
-        moves = [np.flatnonzero((np.abs(np.diff(e["block_pose"], axis=0)[:, :2]).sum(1) > 1.0)) for e in held_eps]
-        self.held.hard = np.asarray([(e, t) for e, ts in enumerate(moves) for t in ts], dtype=np.int64).reshape(-1, 2)
+        self.held.hard = moving_transitions([e["block_pose"] for e in held_eps])
         ctx, act, tgt, nv = self.held.sample_rollout(np.random.default_rng(2), 64, cfg.context, 0, focus=1.0)
         self.eval_moving = (ctx, act, tgt[:, 0], nv) if len(self.held.hard) else None
         # open-loop evaluation: rollouts from a single real frame, as the env runs them

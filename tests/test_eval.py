@@ -63,3 +63,18 @@ def test_scorer_validation_command(tiny_checkpoint, tmp_path):
     assert gt["coverage_abs_error_pixels"]["median"] < 0.05 and gt["agent_pos_error_px"]["median"] < 3
     proc = run_iws("eval", "scorer", "--episodes", 0, check=False)
     assert proc.returncode == 2 and "--episodes" in proc.stderr
+
+
+def test_contact_error_command(tiny_checkpoint, tiny_dataset, tmp_path):
+    out = tmp_path / "contact.json"
+    run_iws("eval", "contact", "--checkpoint", tiny_checkpoint, "--data", tiny_dataset, "--train-episodes", 2,
+            "--heldout", 2, "--steps", 30, "--windows", 8, "--json", out)
+    r = json.loads(out.read_text())
+    assert set(r["by_set"]) == {"train", "heldout"}
+    for s in r["by_set"].values():
+        assert 0 < s["block_moving_share"] < 1
+        for kind in ("all", "block_moving"):
+            k = s[kind]
+            assert k["copy_last_mse"] > 0 and abs(k["unexplained"] - k["model_mse"] / k["copy_last_mse"]) < 1e-9
+    proc = run_iws("eval", "contact", "--windows", 0, check=False)
+    assert proc.returncode == 2 and "--windows" in proc.stderr
