@@ -295,7 +295,6 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
     train-vs-held-out gap separates overfitting from underfitting."""
     import torch
 
-    from .checkpoint import load_release, load_state_checked
     from .data import InMemoryEpisodes
     from .decoder import Stage1, Stage1Config
     from .dynamics import DynamicsConfig, Stage2
@@ -305,10 +304,8 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
         raise ValueError("--train-episodes, --heldout, --steps and --windows must be > 0")
     ck = Path(checkpoint or task.checkpoint_path)
     s1, *_ = load_stage(ck, "stage1", Stage1Config, Stage1, "cpu")
-    cfg, sd, _ = load_release(ck / "stage2.safetensors", "stage2", DynamicsConfig)
-    model = Stage2(cfg)
-    load_state_checked(model, sd, ck / "stage2.safetensors")
-    model.eval()
+    model, *_ = load_stage(ck, "stage2", DynamicsConfig, Stage2, "cpu")
+    cfg = model.cfg
     train = InMemoryEpisodes.load(Path(data), train_episodes)
     held_eps = list(heldout_episodes(task, heldout, steps, offset=5000))
     held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])

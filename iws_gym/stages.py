@@ -106,6 +106,7 @@ class LatentEpisodes:
         from tqdm import tqdm
 
         self.latents, self.actions = [], episodes.actions
+        self.hard = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `focus` draws from (see below)
         if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
             c = torch.load(cache, map_location="cpu", weights_only=True)
             if len(c["latents"]) == len(episodes.frames):
@@ -147,10 +148,9 @@ class LatentEpisodes:
         focus: the probability that a window is drawn from the transitions listed in `self.hard`
         (episode, t) - set by the caller, e.g. from `block_moves` - instead of uniformly."""
         ctx, act, tgt, nv = [], [], [], []
-        hard = getattr(self, "hard", None)
         for e in rng.integers(0, len(self.latents), batch):
-            if focus > 0 and hard is not None and len(hard) and rng.random() < focus:
-                e, t = (int(v) for v in hard[rng.integers(0, len(hard))])
+            if focus > 0 and len(self.hard) and rng.random() < focus:
+                e, t = (int(v) for v in self.hard[rng.integers(0, len(self.hard))])
                 t = min(t, len(self.actions[e]) - R - 1)
             else:
                 t = int(rng.integers(0, len(self.actions[e]) - R))  # frames t+1 .. t+R+1 exist
