@@ -114,10 +114,23 @@ def load_meta(root: Path) -> dict:
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Strict JSON (NaN / inf, e.g. an undefined correlation, become null), written atomically."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
+    tmp.write_text(json.dumps(_finite(obj), indent=2, default=_json_default, allow_nan=False))
     os.replace(tmp, path)
+
+
+def _finite(o):
+    if isinstance(o, (float, np.floating)):
+        return float(o) if np.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return _finite(o.tolist())
+    return o
 
 
 def _json_default(o):

@@ -76,18 +76,21 @@ def _dilate(m: np.ndarray, r: int) -> np.ndarray:
     return out
 
 
-def _box_sdf(local, center, half):
-    q = np.abs(local - center) - half
-    return np.linalg.norm(np.maximum(q, 0), axis=-1) + np.minimum(q.max(axis=-1), 0)
+def _box_sdf(lx, ly, cx, cy, hx, hy):
+    """Signed distance to an axis-aligned box (centre c, half-size h), on the x and y components
+    separately: elementwise ops only, several times faster than reductions over a length-2 axis."""
+    qx, qy = np.abs(lx - cx) - hx, np.abs(ly - cy) - hy
+    ox, oy = np.maximum(qx, 0), np.maximum(qy, 0)
+    return np.sqrt(ox * ox + oy * oy) + np.minimum(np.maximum(qx, qy), 0)
 
 
 def render_t(pose, ys: np.ndarray, xs: np.ndarray, scale: float = SCALE) -> np.ndarray:
     """Anti-aliased T coverage at frame pixels (ys, xs), as gym-pusht's resize samples it: the mean of two
     adjacent canvas pixels per axis, i.e. a box filter of width scale/2 -> a linear ramp across each edge."""
-    centers = np.stack([xs * scale + scale / 2, ys * scale + scale / 2], axis=-1)  # (N, 2) canvas coords
-    local = (centers - np.asarray(pose[:2])) @ rot(pose[2])                         # world -> body frame
-    sdf = np.minimum(_box_sdf(local, np.array([0.0, 15.0]), np.array([60.0, 15.0])),
-                     _box_sdf(local, np.array([0.0, 75.0]), np.array([15.0, 45.0])))
+    dx, dy = xs * scale + scale / 2 - pose[0], ys * scale + scale / 2 - pose[1]  # canvas coords - body origin
+    (r00, r01), (r10, r11) = rot(pose[2])
+    lx, ly = dx * r00 + dy * r10, dx * r01 + dy * r11                            # world -> body frame
+    sdf = np.minimum(_box_sdf(lx, ly, 0.0, 15.0, 60.0, 15.0), _box_sdf(lx, ly, 0.0, 75.0, 15.0, 45.0))
     return np.clip(0.5 - sdf / (scale / 2), 0.0, 1.0)
 
 

@@ -144,3 +144,20 @@ def test_data_stats_command(tiny_dataset, tmp_path):
     assert s["episodes"] == 3 and abs(sum(s["behaviour_mix"].values()) - 1) < 1e-3
     assert 0 <= s["contact_step_fraction"] <= 1 and s["loader"]["frames_per_s"] > 0
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_reports_are_strict_json(tmp_path):
+    """An undefined statistic (NaN, e.g. a correlation of constant scores) is written as null, not as the
+    non-standard NaN token that strict JSON readers reject."""
+    import json
+
+    import numpy as np
+
+    from iws_gym.data import write_json_atomic
+
+    p = tmp_path / "r.json"
+    write_json_atomic(p, {"r": float("nan"), "a": np.array([1.0, np.inf]), "n": np.float32(0.5), "k": [1, "x"]})
+    text = p.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"r": None, "a": [1.0, None], "n": 0.5, "k": [1, "x"]}
+    assert not (tmp_path / "r.json.tmp").exists()
