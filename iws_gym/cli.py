@@ -38,7 +38,7 @@ def cmd_eval_fidelity(a):
 
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
-                      dynamics_steps=a.dynamics_steps, reencode=a.reencode)
+                      dynamics_steps=a.dynamics_steps, reencode=a.reencode, grid=Path(a.grid) if a.grid else None)
     _emit(report, a.json, summary_only=True)
 
 
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
+    ef.add_argument("--grid", default=None, help="PNG of the first 3 episodes' frames, true above predicted, at steps 0-192")
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)
 

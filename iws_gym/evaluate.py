@@ -94,12 +94,18 @@ def _copy_first(ep, horizon):
 
 def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
              behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None,
-             dynamics_steps: int | None = None, reencode: bool = True) -> dict:
-    """The fidelity report: per-step and summary metrics for the model and both baselines."""
+             dynamics_steps: int | None = None, reencode: bool = True, grid: Path | None = None,
+             grid_episodes: int = 3) -> dict:
+    """The fidelity report: per-step and summary metrics for the model and both baselines.
+
+    grid: a PNG of the first `grid_episodes` episodes, the true frames above the model's, at
+    GRID_STEPS (those within the horizon) - what the numbers mean, to look at."""
     from tqdm import tqdm
 
     if horizon <= 0 or episodes <= 0:
         raise ValueError(f"--horizon and --episodes must be > 0, got {horizon} and {episodes}")
+    if grid is not None and checkpoint is None:
+        raise ValueError("--grid shows the model's rollouts: it needs --checkpoint")
     predictors = {"copy_first_frame": _copy_first,
                   "ground_truth_rerender": lambda ep, h: rerender_states(ep["agent_pos"][: h + 1], ep["block_pose"][: h + 1], task.frame_size)}
     model_kind = None
@@ -112,13 +118,17 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     per = {name: {} for name in predictors}
     timings = {name: 0.0 for name in predictors}
     t_start = time.time()
-    for ep in tqdm(heldout_episodes(task, episodes, horizon, behaviour=behaviour), total=episodes, desc="fidelity"):
+    grid_steps = [t for t in GRID_STEPS if t <= horizon]
+    grid_rows = []
+    for i, ep in enumerate(tqdm(heldout_episodes(task, episodes, horizon, behaviour=behaviour), total=episodes, desc="fidelity")):
         for name, fn in predictors.items():
             t0 = time.perf_counter()
             pred = fn(ep, horizon)
             timings[name] += time.perf_counter() - t0
             for k, v in frame_metrics(pred, ep).items():
                 per[name].setdefault(k, []).append(v)
+            if grid is not None and name == "model" and i < grid_episodes:
+                grid_rows += [ep["frames"][grid_steps], pred[grid_steps]]
     report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
                   checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
                   decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, reencode=reencode,
@@ -145,7 +155,13 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     report["wall_s"] = round(time.time() - t_start, 1)
     if plot is not None:
         plot_per_step(report, plot)
+    if grid is not None:
+        save_grid(grid_rows, Path(grid), scale=1)
+        report["grid"] = dict(path=str(grid), rows="per episode: true frames, then the model's", steps=grid_steps)
     return report
+
+
+GRID_STEPS = (0, 4, 8, 16, 32, 64, 128, 192)
 
 
 def save_grid(rows: list[np.ndarray], path: Path, scale: int = 2) -> None:

@@ -18,8 +18,16 @@ def test_rerender_reproduces_ground_truth():
 def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
     out = tmp_path / "fid.json"
     run_iws("eval", "fidelity", "--checkpoint", tiny_stage1, "--horizon", 4, "--episodes", 1, "--json", out,
-            "--plot", tmp_path / "fid.png")
+            "--plot", tmp_path / "fid.png", "--grid", tmp_path / "grid.png")
     r = json.loads(out.read_text())
+    # the frame grid: per episode a row of true frames above a row of predicted ones, at steps 0 and 4
+    import cv2
+
+    img = cv2.imread(str(tmp_path / "grid.png"))
+    assert r["grid"]["steps"] == [0, 4] and img.shape == (2 * 128, 2 * 128, 3)
+    ep = next(iter(heldout_episodes(load_task("tpushing"), 1, 4)))
+    assert np.array_equal(img[:128, :128, ::-1], ep["frames"][0]) and np.array_equal(img[:128, 128:, ::-1], ep["frames"][4])
+    assert img[128:].std() > 0  # the model's row is a picture, not a blank
     assert set(r["summary"]) == {"copy_first_frame", "ground_truth_rerender", "model"}
     assert r["model_kind"] == "stage1_autoencoder_ceiling" and "LPIPS" in r["not_reported"]
     for name, s in r["summary"].items():
@@ -43,6 +51,8 @@ def test_fidelity_bad_input(tmp_path):
     assert proc.returncode == 2 and "--horizon" in proc.stderr
     proc = run_iws("eval", "fidelity", "--checkpoint", tmp_path / "missing", "--horizon", 2, "--episodes", 1, check=False)
     assert proc.returncode == 2 and "missing" in proc.stderr
+    proc = run_iws("eval", "fidelity", "--horizon", 2, "--episodes", 1, "--grid", tmp_path / "g.png", check=False)
+    assert proc.returncode == 2 and "--grid" in proc.stderr and not (tmp_path / "g.png").exists()
 
 
 def test_pose_command(tmp_path):
