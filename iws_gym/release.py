@@ -7,11 +7,24 @@ commit of the release, and the metrics measured on it (the JSON reports given wi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 from .collect import git_commit
 from .data import write_json_atomic
+
+
+def _norm(path) -> str:
+    return str(Path(path)).rstrip("/")
+
+
+def _run_dir(p: dict) -> str | None:
+    """The run directory a provenance entry was released from (older entries: the command's --out)."""
+    if p.get("run"):
+        return p["run"]
+    m = re.search(r"--out\s+(\S+)", p.get("command") or "")
+    return _norm(m.group(1)) if m else None
 
 
 def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None) -> dict:
@@ -35,12 +48,14 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
     base = None
     if meta.get("finetuned_from") and stage in prov:
         old = prov[stage]
-        if old.get("command") == (command or result.get("command")) and old.get("steps") == meta.get("step"):
-            base = old.get("finetuned_from")  # the same fine-tune released again (new reports): same chain
+        if _run_dir(old) == _norm(run):
+            # an earlier export of this same run (released again with new reports, or the run went on
+            # after an intermediate release): the chain is the one that export had, not the export itself
+            base = old.get("finetuned_from")
         else:
             base = {k: old.get(k) for k in ("command", "steps", "wall_s", "trained_at_commit", "finetuned_from")}
     prov[stage] = dict(
-        file=f"{stage}.safetensors", size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
+        file=f"{stage}.safetensors", run=_norm(run), size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
         command=command or result.get("command"), data=meta.get("data"), data_seed=meta.get("data_seed"),
         data_episodes=meta.get("data_episodes"), steps=result.get("step", meta.get("step")),
         wall_s=result.get("wall_s"), device=result.get("device"), trained_at_commit=meta.get("commit"),

@@ -136,6 +136,11 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         if state["stage"] != stage_name or state["model_config"] != config_to_dict(stage.config):
             raise ValueError(f"{ckpt}: belongs to another run (stage {state['stage']!r} or a different model config); use a new --out")
+        offset = getattr(model, "curriculum_offset", None)
+        if state.get("curriculum_offset") is not None and state["curriculum_offset"] != offset:
+            raise ValueError(f"{ckpt}: this run fine-tunes a release of {state['curriculum_offset']} steps, but --finetune "
+                             f"{a.finetune} now holds one of {offset} steps (was it re-released from this run?); "
+                             "resume with --finetune pointing at the release the run started from")
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         opt.load_state_dict(state["opt"])
@@ -152,6 +157,7 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
             return
         atomic_torch_save(dict(stage=stage_name, model_config=config_to_dict(stage.config), args=vars(a),
                                model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(),
+                               curriculum_offset=getattr(model, "curriculum_offset", None),
                                step=step, wall_s=wall_before + time.time() - t0), ckpt)
 
     def evaluate():

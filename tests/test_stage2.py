@@ -207,6 +207,18 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
     assert "fine-tuned from the release trained by" in (dest / "PROVENANCE.md").read_text()
     run_iws("release", "--run", out, "--stage", "stage2", "--dest", dest)  # released again (e.g. with reports)
     assert json.loads((dest / "provenance.json").read_text())["stage2"] == p
+    # the run resumes from its last.pt; --finetune must still name the release it started from: `dest` now
+    # holds this run's own export, whose step count would shift the consistency curriculum
+    args = ["train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--rollout", 3, "--focus", 0.5,
+            "--out", out, "--steps", 5, "--batch", 4, "--lr", 0, "--eval-every", 100, "--warmup", 1]
+    proc = run_iws(*args, "--finetune", dest, check=False)
+    assert proc.returncode != 0 and "--finetune" in proc.stderr and "re-released" in proc.stderr
+    run_iws(*args, "--finetune", tiny_checkpoint)
+    # its final export released over the intermediate one: the chain is still the base run, counted once
+    run_iws("release", "--run", out, "--stage", "stage2", "--dest", dest)
+    p5 = json.loads((dest / "provenance.json").read_text())["stage2"]
+    assert p5["finetuned_from"] == p["finetuned_from"] and p5["steps"] == base["steps"] + 5 and p5["finetune_steps"] == 5
+    assert p5["wall_s"] == pytest.approx(base["wall_s"] + p5["finetune_wall_s"], abs=0.2)
 
 
 def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
