@@ -224,6 +224,9 @@ class Stage2Stage(StageBase):
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
+        if a.change_weight < 0:
+            raise ValueError(f"--change-weight must be >= 0, got {a.change_weight}")
+        self.model.change_weight = a.change_weight
         if a.finetune:
             load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
@@ -293,7 +296,7 @@ class Stage2Stage(StageBase):
     def export(self, ema, out, result):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
-                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus)
+                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

@@ -57,6 +57,7 @@ class TrainArgs:
                                       #   up to this many steps deep (0: teacher forcing only); see Stage2Stage
     focus: float = 0.0                # stage 2: fraction of windows whose target transition moves the block
                                       #   (contact), on top of uniform sampling; see block_moves
+    change_weight: float = 0.0        # stage 2: extra loss weight on latent cells that change (see Stage2.loss)
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

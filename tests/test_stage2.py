@@ -185,13 +185,15 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--rollout", 3, "--focus", 0.5, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
+            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0,
+            "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
     _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
     cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
     assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3 and meta1["focus"] == 0.5
+    assert meta1["change_weight"] == 2
     assert r["eval"]["latent_mse_copy_last_block_moving"] > 0  # held-out windows in which the block moves
     for k in sd0:  # lr 0: the weights are the release's
         torch.testing.assert_close(sd1[k].float(), sd0[k].float())
@@ -235,3 +237,25 @@ def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
         expect = wm.encode(frames).float() if reencode else z
         torch.testing.assert_close(state["ctx"][:, -1].float(), expect.float())
         torch.testing.assert_close(state["ctx"][:, :-1], ref["ctx"][:, :-1])  # the rest of the window slid as usual
+
+
+def test_change_weights_emphasise_changing_cells_and_their_neighbours():
+    from iws_gym.dynamics import change_weights
+
+    x = torch.zeros(2, 8, 16, 16)
+    x[0, 3, 5, 5] = 2.0                      # one changing cell (in one channel) in the first sample
+    assert torch.equal(change_weights(x, 0.0), torch.ones(2, 1, 16, 16))  # weight 0: plain MSE
+    w = change_weights(x, 4.0)
+    assert w.shape == (2, 1, 16, 16) and w.mean().item() == pytest.approx(1.0)
+    hot = torch.zeros(2, 1, 16, 16, dtype=torch.bool)
+    hot[0, 0, 4:7, 4:7] = True               # the cell and its 8 neighbours
+    assert torch.allclose(w[hot], w[hot][0]) and torch.allclose(w[~hot], w[~hot][0])
+    assert (w[hot][0] / w[~hot][0]).item() == pytest.approx(5.0)
+    x[1] = 0.4                               # below the threshold everywhere: no emphasis
+    assert torch.allclose(change_weights(x[1:], 4.0), torch.ones(1, 1, 16, 16))
+
+
+def test_change_weight_must_be_non_negative(tiny_dataset, tiny_checkpoint, tmp_path):
+    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", tmp_path / "cw",
+                   "--steps", 1, "--change-weight", -1, check=False)
+    assert proc.returncode != 0 and "--change-weight" in proc.stderr
