@@ -136,8 +136,6 @@ def _finite(o):
 def _json_default(o):
     if isinstance(o, np.generic):
         return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
     if isinstance(o, Path):
         return str(o)
     raise TypeError(type(o))

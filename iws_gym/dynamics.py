@@ -358,9 +358,9 @@ class Stage2(nn.Module):
         w = 1.0 / (s_hi - s_lo)
         huber_c = 0.00054 * (x[0].numel() ** 0.5)
         ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
-        w = change_weights(x, getattr(self, "change_weight", 0.0))
-        dsm = (w * (x_hi - x).pow(2)).mean()
-        one = (w * (x_one - x).pow(2)).mean()
+        w_cell = change_weights(x, getattr(self, "change_weight", 0.0))  # (B, 1, h, w), not the CT level weight w
+        dsm = (w_cell * (x_hi - x).pow(2)).mean()
+        one = (w_cell * (x_one - x).pow(2)).mean()
         loss = 0.1 * ct + dsm + one
         return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
 
