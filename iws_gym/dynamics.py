@@ -242,6 +242,15 @@ class DynamicsNet(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
+    def identity_blocks(self, start: int) -> None:
+        """Make blocks[start:] identity maps (their residual branches output zero at first), so that blocks
+        appended to a trained network (`--grow-blocks`) add capacity without changing what it computes.
+        conv2's temporal taps are zero-initialised already; this zeroes the attention output projections."""
+        for blk in self.blocks[start:]:
+            for proj in (blk.attn_s.proj, blk.attn_t.proj, blk.conv2.temporal):
+                nn.init.zeros_(proj.weight)
+                nn.init.zeros_(proj.bias)
+
     def _tokens(self, x, maps):  # (B, T, C, h, w) latents + (B, T, M, h, w) maps -> (B, T, ch, h/2, w/2)
         x = torch.cat([x.to(maps.dtype), maps], dim=2)
         return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])

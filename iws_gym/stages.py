@@ -221,6 +221,10 @@ class Stage2Stage(StageBase):
 
             f2 = find_release(a.finetune, "stage2")
             cfg, init_sd, init_meta = load_release(f2, "stage2", DynamicsConfig)
+        if a.grow_blocks < 0 or (a.grow_blocks and not a.finetune):
+            raise ValueError(f"--grow-blocks must be >= 0 and needs --finetune (it grows a release), got {a.grow_blocks}")
+        base_blocks = cfg.blocks
+        cfg = dataclasses.replace(cfg, blocks=cfg.blocks + a.grow_blocks)
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
@@ -228,6 +232,11 @@ class Stage2Stage(StageBase):
             raise ValueError(f"--change-weight must be >= 0, got {a.change_weight}")
         self.model.change_weight = a.change_weight
         if a.finetune:
+            if a.grow_blocks:  # the release's weights + identity blocks after its own
+                self.model.net.identity_blocks(base_blocks)
+                new = {k: v for k, v in self.model.state_dict().items()
+                       if k.startswith("net.blocks.") and int(k.split(".")[2]) >= base_blocks}
+                init_sd = {**init_sd, **new}
             load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
@@ -296,7 +305,8 @@ class Stage2Stage(StageBase):
     def export(self, ema, out, result):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
-                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight)
+                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
+                     grow_blocks=self.a.grow_blocks)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

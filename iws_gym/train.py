@@ -58,6 +58,8 @@ class TrainArgs:
     focus: float = 0.0                # stage 2: fraction of windows whose target transition moves the block
                                       #   (contact), on top of uniform sampling; see block_moves
     change_weight: float = 0.0        # stage 2: extra loss weight on latent cells that change (see Stage2.loss)
+    grow_blocks: int = 0              # stage 2 with --finetune: append this many identity-initialised blocks
+                                      #   (more capacity without losing what the release learned)
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

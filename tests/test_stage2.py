@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 
@@ -259,3 +260,43 @@ def test_change_weight_must_be_non_negative(tiny_dataset, tiny_checkpoint, tmp_p
     proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", tmp_path / "cw",
                    "--steps", 1, "--change-weight", -1, check=False)
     assert proc.returncode != 0 and "--change-weight" in proc.stderr
+
+
+def test_grow_blocks_appends_identity_blocks_to_a_release(tiny_dataset, tiny_checkpoint, tmp_path):
+    from iws_gym.checkpoint import load_release
+
+    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", tmp_path / "g0",
+                   "--steps", 1, "--grow-blocks", 1, check=False)
+    assert proc.returncode != 0 and "--grow-blocks" in proc.stderr and "--finetune" in proc.stderr
+    out = tmp_path / "grow"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
+            "--grow-blocks", 1, "--out", out, "--steps", 2, "--batch", 4, "--lr", 0, "--eval-every", 100, "--warmup", 1)
+    cfg0, sd0, _ = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
+    cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert cfg1.blocks == cfg0.blocks + 1 and meta1["grow_blocks"] == 1
+    assert any(k.startswith(f"net.blocks.{cfg0.blocks}.") for k in sd1)
+    for k in sd0:  # lr 0: the release's own weights, untouched
+        torch.testing.assert_close(sd1[k].float(), sd0[k].float())
+    new = f"net.blocks.{cfg0.blocks}."
+    for k in ("attn_s.proj.weight", "attn_t.proj.weight", "conv2.temporal.weight"):
+        assert sd1[new + k].abs().max().item() == 0.0
+
+
+def test_identity_blocks_leave_the_network_function_unchanged():
+    torch.manual_seed(0)
+    cfg0 = DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2)
+    cfg1 = dataclasses.replace(cfg0, blocks=2)
+    m0, m1 = Stage2(cfg0), Stage2(cfg1)
+    torch.nn.init.normal_(m0.net.out.weight, std=0.1)  # a trained (non-zero) read-out shows the blocks' effect
+    m1.load_state_dict({**m1.state_dict(), **m0.state_dict()})
+    g = torch.Generator().manual_seed(0)
+    ctx, act = torch.randn(3, 2, 8, 16, 16, generator=g) * 0.3, torch.rand(3, 2, 2, generator=g) * 512
+    nv, noise = torch.tensor([1, 2, 2]), torch.randn(3, 2, 8, 16, 16, generator=g)
+
+    def pred(m):
+        return m.predict(ctx, act, nv, generator=torch.Generator().manual_seed(1), ctx_noise=noise)
+
+    z0 = pred(m0)
+    assert (pred(m1) - z0).abs().max().item() > 1e-4  # a freshly initialised extra block changes the output
+    m1.net.identity_blocks(1)
+    torch.testing.assert_close(pred(m1), z0)
