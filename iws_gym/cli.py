@@ -38,7 +38,7 @@ def cmd_eval_fidelity(a):
 
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
-                      dynamics_steps=a.dynamics_steps, reencode=a.reencode, grid=Path(a.grid) if a.grid else None)
+                      dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode, grid=Path(a.grid) if a.grid else None)
     _emit(report, a.json, summary_only=True)
 
 
@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen"], help="held-out play as in training, or an unseen scripted policy")
     ef.add_argument("--decoder-steps", type=int, default=None)
     ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
+    ef.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"],
+                    help="consistency jumps (the env's) or Euler steps of the probability-flow ODE (a diagnostic)")
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import schedule
 from .layers import FourierEmbedding, group_norm
-from .sampler import consistency_sample
+from .sampler import consistency_sample, euler_sample
 
 
 @dataclass
@@ -374,10 +374,12 @@ class Stage2(nn.Module):
         return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
 
     @torch.no_grad()
-    def predict(self, ctx, actions, n_valid, steps: int = 1, generator=None, ctx_noise=None):
+    def predict(self, ctx, actions, n_valid, steps: int = 1, generator=None, ctx_noise=None, sampler: str = "consistency"):
         """Next latent (B, C, h, w) from raw context latents (B, K, C, h, w) and actions (B, K, 2).
 
-        ctx_noise: optional (B, K, C, h, w) standard normal draws for the context noise (for determinism)."""
+        ctx_noise: optional (B, K, C, h, w) standard normal draws for the context noise (for determinism).
+        sampler: "consistency" (the default: `steps` consistency jumps) or "euler" (`steps` Euler steps of
+        the probability-flow ODE over Karras levels from sigma_max; a diagnostic, see sampler.py)."""
         c = self.cfg
         B = ctx.shape[0]
         last = ctx[:, -1].float()
@@ -386,8 +388,14 @@ class Stage2(nn.Module):
         if ctx_noise is None:
             ctx_noise = torch.randn(ctx.shape, generator=generator, device=generator.device if generator else ctx.device).to(ctx.device)
         ctx = ctx + c.ctx_sigma * ctx_noise
-        sig = schedule.sampling_sigmas(steps, c.sigma_max, c.sigma_mid, c.sigma_min)
-        y = consistency_sample(lambda x_t, s: self.denoise(x_t[:, None], s[:, None], ctx, ctx_sigma, actions, n_valid)[:, 0],
-                               (B, c.latent_ch, c.latent_size, c.latent_size), sig, c.sigma_min,
-                               generator=generator, device=ctx.device)
+        D = lambda x_t, s: self.denoise(x_t[:, None], s[:, None], ctx, ctx_sigma, actions, n_valid)[:, 0]  # noqa: E731
+        shape = (B, c.latent_ch, c.latent_size, c.latent_size)
+        if sampler == "consistency":
+            sig = schedule.sampling_sigmas(steps, c.sigma_max, c.sigma_mid, c.sigma_min)
+            y = consistency_sample(D, shape, sig, c.sigma_min, generator=generator, device=ctx.device)
+        elif sampler == "euler":
+            sig = schedule.karras_sigmas(steps, c.sigma_min, c.sigma_max).flip(0) if steps > 1 else torch.tensor([c.sigma_max])
+            y = euler_sample(D, shape, sig, generator=generator, device=ctx.device)
+        else:
+            raise ValueError(f"sampler must be 'consistency' or 'euler', got {sampler!r}")
         return last + self.unnorm_delta(y)

@@ -95,7 +95,7 @@ def _copy_first(ep, horizon):
 def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
              behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None,
              dynamics_steps: int | None = None, reencode: bool = True, grid: Path | None = None,
-             grid_episodes: int = 3) -> dict:
+             grid_episodes: int = 3, dynamics_sampler: str = "consistency") -> dict:
     """The fidelity report: per-step and summary metrics for the model and both baselines.
 
     grid: a PNG of the first `grid_episodes` episodes, the true frames above the model's, at
@@ -113,7 +113,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
         from .world_model import load_predictor
 
         model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps, dynamics_steps=dynamics_steps,
-                                             reencode=reencode)
+                                             reencode=reencode, dynamics_sampler=dynamics_sampler)
         predictors["model"] = predict
     per = {name: {} for name in predictors}
     timings = {name: 0.0 for name in predictors}
@@ -131,7 +131,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
                 grid_rows += [ep["frames"][grid_steps], pred[grid_steps]]
     report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
                   checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
-                  decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, reencode=reencode,
+                  decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, dynamics_sampler=dynamics_sampler, reencode=reencode,
                   heldout_seeds=[task.heldout_seed_base, task.heldout_seed_base + episodes - 1],
                   not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
                   per_step={}, summary={}, wall_s=None)

@@ -3,6 +3,10 @@
 `denoise(x_t, sigma) -> x0_hat` is any consistency function (see schedule.py). Multistep consistency
 sampling (Song et al. 2023, Alg. 1): start from pure noise at sigmas[0], jump to x0, re-noise to the next
 level, jump again. 1, 2 or 4 steps is the length of `sigmas`, not a code path.
+
+`euler_sample` instead integrates the probability-flow ODE (Karras et al. 2022, Euler steps) with the same
+denoiser read as an EDM denoiser (the objectives' denoising terms train it as one): a diagnostic of
+what the network has learned as a distribution, not only as a one-step jump.
 """
 from __future__ import annotations
 
@@ -29,3 +33,18 @@ def consistency_sample(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Ten
         if i + 1 < len(sigmas):
             x_t = x0 + noise() * (sigmas[i + 1] ** 2 - sigma_min**2) ** 0.5
     return x0
+
+
+@torch.no_grad()
+def euler_sample(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape, sigmas: torch.Tensor,
+                 generator: torch.Generator | None = None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Deterministic probability-flow ODE from noise at sigmas[0] down through `sigmas` (descending) to 0:
+    x <- x0 + (sigma_next / sigma) (x - x0), one denoiser call per level."""
+    device = device or "cpu"
+    gen_device = generator.device if generator is not None else device
+    sigmas = [float(s) for s in sigmas] + [0.0]
+    x = torch.randn(shape, generator=generator, device=gen_device).to(device=device, dtype=dtype) * sigmas[0]
+    for sigma, nxt in zip(sigmas[:-1], sigmas[1:]):
+        x0 = denoise(x, torch.full((shape[0],), sigma, device=device, dtype=dtype))
+        x = x0 + (nxt / sigma) * (x - x0)
+    return x

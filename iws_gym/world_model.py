@@ -35,6 +35,7 @@ class WorldModel:
         self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
         self.stage2 = stage2.to(device).eval().requires_grad_(False).to(dtype) if stage2 is not None else None
         self.dynamics_steps = dynamics_steps
+        self.dynamics_sampler = "consistency"  # or "euler" (see Stage2.predict)
         self.frame_size = stage1.cfg.encoder.frame_size
         self.decoder_steps = decoder_steps
         self.reencode = reencode
@@ -115,7 +116,7 @@ class WorldModel:
         K = self.stage2.cfg.context
         state["acts"] = torch.cat([state["acts"][:, 1:], actions.float().to(self.device)[:, None]], dim=1)
         z = self.stage2.predict(state["ctx"], state["acts"], state["n_valid"], steps=steps or self.dynamics_steps,
-                                generator=generator)
+                                generator=generator, sampler=self.dynamics_sampler)
         state["ctx"] = torch.cat([state["ctx"][:, 1:], z[:, None]], dim=1)
         state["n_valid"] = (state["n_valid"] + 1).clamp(max=K)
         return z
@@ -151,7 +152,8 @@ class WorldModel:
             # window of K slots ending at t; slots before the episode start repeat the first frame (padding)
             idx = (ts[:, None] + torch.arange(-K + 1, 1, device=self.device)[None]).clamp(min=0)  # (b, K)
             acts = a[idx].masked_fill((torch.arange(K, device=self.device)[None] < (K - n_valid)[:, None])[..., None], 0.0)
-            z1 = self.stage2.predict(z[idx], acts, n_valid, steps=self.dynamics_steps, generator=gen)
+            z1 = self.stage2.predict(z[idx], acts, n_valid, steps=self.dynamics_steps, generator=gen,
+                                     sampler=self.dynamics_sampler)
             out.append(self.decode(z1, generator=gen))
         return np.concatenate(out)
 
@@ -166,7 +168,7 @@ class WorldModel:
 
 
 def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,
-                   reencode: bool = True):
+                   reencode: bool = True, dynamics_sampler: str = "consistency"):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
@@ -176,6 +178,7 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
         wm.decoder_steps = decoder_steps or wm.decoder_steps
         wm.dynamics_steps = dynamics_steps or wm.dynamics_steps
         wm.reencode = reencode
+        wm.dynamics_sampler = dynamics_sampler
 
         def roll(ep, horizon):
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)

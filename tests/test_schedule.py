@@ -44,3 +44,27 @@ def test_sampling_sigmas(steps):
 def test_sampling_sigmas_rejects_zero_steps():
     with pytest.raises(ValueError, match="steps"):
         schedule.sampling_sigmas(0, 80.0, 0.4, 0.002)
+
+
+def test_euler_sample_follows_the_probability_flow_of_a_gaussian():
+    """With the exact denoiser of data ~ N(mu, s^2), the ODE maps noise onto that distribution."""
+    from iws_gym.sampler import euler_sample
+
+    mu, s = 0.3, 0.5
+    exact = lambda x, sigma: mu + s**2 / (s**2 + sigma[:, None] ** 2) * (x - mu)  # noqa: E731
+    sig = schedule.karras_sigmas(64, 0.002, 80.0).flip(0)
+    x = euler_sample(exact, (20000, 1), sig, generator=torch.Generator().manual_seed(0))
+    assert abs(x.mean().item() - mu) < 0.02 and abs(x.std().item() - s) < 0.03
+    point = euler_sample(lambda x, sigma: torch.full_like(x, mu), (4, 1), torch.tensor([80.0]))
+    torch.testing.assert_close(point, torch.full((4, 1), mu))  # a point mass: one step lands on it
+
+
+def test_predict_rejects_an_unknown_sampler():
+    from iws_gym.dynamics import DynamicsConfig, Stage2
+
+    m = Stage2(DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2))
+    with pytest.raises(ValueError, match="sampler"):
+        m.predict(torch.zeros(1, 2, 8, 16, 16), torch.zeros(1, 2, 2), torch.tensor([1]), sampler="heun")
+    for sampler in ("consistency", "euler"):
+        assert m.predict(torch.zeros(1, 2, 8, 16, 16), torch.zeros(1, 2, 2), torch.tensor([1]), steps=3,
+                         sampler=sampler).shape == (1, 8, 16, 16)

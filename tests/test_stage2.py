@@ -83,8 +83,10 @@ def test_train_stage2_and_roll_out(tiny_dataset, tiny_stage1, tmp_path):
     assert roll.shape == (6, 128, 128, 3) and roll.dtype == np.uint8
     np.testing.assert_array_equal(roll, wm.rollout(frames, actions, seed=3))  # same seed, same frames
     rep = tmp_path / "fid.json"
-    run_iws("eval", "fidelity", "--checkpoint", ck, "--horizon", 3, "--episodes", 1, "--json", rep)
-    assert json.loads(rep.read_text())["model_kind"] == "open_loop_rollout"
+    run_iws("eval", "fidelity", "--checkpoint", ck, "--horizon", 3, "--episodes", 1, "--json", rep,
+            "--dynamics-sampler", "euler", "--dynamics-steps", 3)
+    r = json.loads(rep.read_text())
+    assert r["model_kind"] == "open_loop_rollout" and r["dynamics_sampler"] == "euler" and r["dynamics_steps"] == 3
 
 
 def test_stage2_needs_a_stage1(tiny_dataset, tmp_path):
