@@ -56,7 +56,9 @@ def gym_pusht_throughput(steps: int) -> float:
 
 
 def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(1, 8, 32, 64),
-          rollout_steps: int = 9000, batch_steps: int = 20) -> dict:
+          rollout_steps: int = 9000, batch_steps: int = 20, compile: bool = False) -> dict:
+    """compile: torch.compile the dynamics (WorldModel.compile). FLOPs are counted on the eager model
+    first; the compile itself happens in the warm-up steps and is reported as compile_s."""
     import gymnasium as gym
     from tqdm import tqdm
 
@@ -69,6 +71,13 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
     t = time.perf_counter()
     env.reset(seed=0)
     reset_ms = 1000 * (time.perf_counter() - t)
+    flops = flops_per_step(env)  # eager: FlopCounterMode does not see inside compiled graphs
+    compile_s = None
+    if compile:
+        env.wm.compile()
+        t = time.perf_counter()
+        env.step(rng.uniform(0, 512, 2))
+        compile_s = time.perf_counter() - t
     for _ in range(10):
         env.step(rng.uniform(0, 512, 2))
     lat = []
@@ -82,17 +91,17 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
     lat = np.array(lat) * 1000
     report = dict(device=str(dev), torch=torch.__version__, cpu=platform.processor() or platform.machine(),
                   threads=torch.get_num_threads(), checkpoint=str(env.wm.path),
-                  decoder_steps=env.wm.decoder_steps, dynamics_steps=env.wm.dynamics_steps,
+                  decoder_steps=env.wm.decoder_steps, dynamics_steps=env.wm.dynamics_steps, compile=compile, compile_s=compile_s,
                   single_env=dict(step_ms_p50=float(np.median(lat)), step_ms_p95=float(np.percentile(lat, 95)),
                                   fps=float(1000 / np.median(lat)), reset_ms=reset_ms))
-    flops = flops_per_step(env)
     peak = peak_matmul_tflops(dev)
     report["flops"] = dict(per_step_gflop=flops / 1e9, peak_bf16_matmul_tflops=peak,
                            achieved_tflops_at_batch1=flops / (np.median(lat) / 1000) / 1e12)
     report["flops"]["fraction_of_peak_at_batch1"] = report["flops"]["achieved_tflops_at_batch1"] / peak
     batched = {}
     for n in batch_sizes:
-        envs = gym.make_vec("IWS-TPushing-v0", num_envs=n, checkpoint=checkpoint, device=device)
+        # the single env's world model (compiled once, if asked) serves every batch size
+        envs = gym.make_vec("IWS-TPushing-v0", num_envs=n, world_model=env.wm)
         envs.reset(seed=0)
         acts = rng.uniform(0, 512, (batch_steps + 2, n, 2)).astype(np.float32)
         envs.step(acts[0])

@@ -111,7 +111,7 @@ def cmd_demo(a):
 def cmd_bench(a):
     from .bench import bench
 
-    _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps), a.json)
+    _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile), a.json)
 
 
 def cmd_release(a):
@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     b.add_argument("--batch-steps", type=int, default=20)
     b.add_argument("--rollout-steps", type=int, default=9000, help="long rollout for RSS / latency drift")
+    b.add_argument("--compile", action="store_true", help="torch.compile the dynamics first (gym.make(..., compile=True))")
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 

@@ -35,7 +35,9 @@ rendered by gym-pusht's own renderer so one policy can start identically in both
 `obs_type`, `render_mode` ("rgb_array" | "human"), `observation_width`, `observation_height`,
 `checkpoint` (None: the shipped weights), `device` ("auto": CUDA if present, else CPU, bf16),
 `scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`, `reencode` (default True: each
-decoded observation is encoded back into the context window; see WorldModel.step).
+decoded observation is encoded back into the context window; see WorldModel.step), `compile` (default
+False: torch.compile the dynamics network for faster steps after a one-off compile; see
+WorldModel.compile).
 
 ## Version history
 - v0: first release.
@@ -80,7 +82,7 @@ def check_frame(frame, size: int) -> np.ndarray:
 
 
 def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
-                world_model, decoder_steps, dynamics_steps, reencode=None):
+                world_model, decoder_steps, dynamics_steps, reencode=None, compile=False):
     """What the single and the vector env share: task, world model, scorer, single-env spaces."""
     from .world_model import WorldModel
 
@@ -95,6 +97,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
         env.wm.dynamics_steps = dynamics_steps
     if reencode is not None:
         env.wm.reencode = bool(reencode)
+    if compile:
+        env.wm.compile()
     env.obs_type, env.size = obs_type, env.task.frame_size
     env.obs_hw = (observation_height, observation_width)
     env.scorer = scorer or TPushCoverageScorer(frame_size=env.size)
@@ -142,13 +146,13 @@ class WorldSimEnv(gym.Env):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None,
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
                  dynamics_steps: int | None = None, task: str = "tpushing", world_model=None,
-                 reencode: bool | None = None):
+                 reencode: bool | None = None, compile: bool = False):
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
         self.render_mode = render_mode
         self.action_space, self.observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode)
+            decoder_steps, dynamics_steps, reencode, compile)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None

@@ -40,6 +40,14 @@ class WorldModel:
         self.decoder_steps = decoder_steps
         self.reencode = reencode
 
+    def compile(self) -> "WorldModel":
+        """torch.compile the dynamics network, where a step spends most of its time (many small ops at
+        batch 1). The first step afterwards compiles (tens of seconds on a CPU; needs a C++ compiler
+        there); the numbers are the eager model's up to bf16 rounding. Returns self."""
+        if self.stage2 is not None and not hasattr(self.stage2.net, "_orig_mod"):
+            self.stage2.net = torch.compile(self.stage2.net)
+        return self
+
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype=torch.bfloat16) -> "WorldModel":
         path = Path(path)

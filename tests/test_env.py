@@ -1,3 +1,5 @@
+import shutil
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -189,3 +191,21 @@ def test_reencode_is_an_env_option(tiny_checkpoint):
     obs, *_ = env.step(np.array([256.0, 256.0], np.float32))
     assert obs["pixels"].shape == (128, 128, 3)
     assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode is True
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on a CPU needs a C++ compiler")
+def test_compiled_env_matches_the_eager_one(tiny_checkpoint):
+    """gym.make(..., compile=True) compiles the dynamics network; the agent position and the frames it
+    produces agree with the eager env's up to bf16 rounding (a pixel or two of the frame)."""
+    eager = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped
+    fast = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", compile=True).unwrapped
+    assert hasattr(fast.wm.stage2.net, "_orig_mod") and not hasattr(eager.wm.stage2.net, "_orig_mod")
+    o1, _ = eager.reset(seed=3)
+    o2, _ = fast.reset(seed=3)
+    actions = np.random.default_rng(0).uniform(0, 512, (4, 2)).astype(np.float32)
+    for a in actions:
+        o1, *_ = eager.step(a)
+        o2, *_ = fast.step(a)
+        diff = np.abs(o1["pixels"].astype(int) - o2["pixels"].astype(int))
+        assert np.mean(diff > 8) < 0.01
