@@ -244,8 +244,9 @@ class DynamicsNet(nn.Module):
 
     def identity_blocks(self, start: int) -> None:
         """Make blocks[start:] identity maps (their residual branches output zero at first), so that blocks
-        appended to a trained network (`--grow-blocks`) add capacity without changing what it computes.
-        conv2's temporal taps are zero-initialised already; this zeroes the attention output projections."""
+        appended to a trained network (`--grow-blocks`) add capacity without changing what it computes:
+        the last layer of each residual branch is zeroed (both attention output projections, and conv2's
+        temporal taps, which DynBlock already starts at zero)."""
         for blk in self.blocks[start:]:
             for proj in (blk.attn_s.proj, blk.attn_t.proj, blk.conv2.temporal):
                 nn.init.zeros_(proj.weight)
