@@ -45,7 +45,8 @@ def cmd_eval_fidelity(a):
 def cmd_eval_contact(a):
     from .evaluate import contact_error
 
-    _emit(contact_error(_task(a.task), a.checkpoint, a.data, a.train_episodes, a.heldout, a.steps, a.windows, a.seed), a.json)
+    _emit(contact_error(_task(a.task), a.checkpoint, a.data, a.train_episodes, a.heldout, a.steps, a.windows, a.seed,
+                        dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler), a.json)
 
 
 def cmd_eval_policy(a):
@@ -202,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     eco.add_argument("--steps", type=int, default=100, help="steps per held-out episode")
     eco.add_argument("--windows", type=int, default=256, help="windows per set and kind")
     eco.add_argument("--seed", type=int, default=0)
+    eco.add_argument("--dynamics-steps", type=int, default=1, help="sampler steps per prediction")
+    eco.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"])
     eco.add_argument("--json", default=None)
     eco.set_defaults(fn=cmd_eval_contact)
     epo = esub.add_parser("policy", help="Monte-Carlo policy evaluation in the learned env (and the ground truth)")

@@ -22,7 +22,8 @@ network spends its capacity on what changes.
 
 Objective (`Stage2.loss`): the same family as stage 1 - improved consistency training between adjacent
 noise levels with a stop-gradient target, a denoising regulariser at the same level and the
-one-step jump from sigma_max - with context-noise augmentation: context latents are noised at a
+one-step jump from sigma_max (MSE, or with `one_step_loss = "energy"` the energy score of two draws,
+so that one step samples instead of averaging; see energy_score) - with context-noise augmentation: context latents are noised at a
 random level in [0, ctx_sigma_max] (given to the network), because at inference the context is the
 model's own imperfect predictions; at inference the context is noised at `ctx_sigma` (fixed).
 """
@@ -35,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import schedule
-from .layers import FourierEmbedding, group_norm
+from .layers import FourierEmbedding, ResBlock, group_norm
 from .sampler import consistency_sample, euler_sample
 
 
@@ -59,6 +60,7 @@ class DynamicsConfig:
     z_mean: float = 0.0            # latent normalisation (from the stage-1 encoder over the data)
     z_std: float = 1.0
     dz_std: float = 1.0            # std of z_{t+1} - z_t over the data: the denoised quantity is this change
+    hires_ch: int = 0              # width of the full-resolution refinement head (HiResHead); 0: none
 
 
 class FactorisedConv3d(nn.Module):
@@ -222,6 +224,31 @@ def action_maps(actions_in: torch.Tensor, valid: torch.Tensor, size: int, blob: 
     return torch.stack([gx.expand(B, T, size, size), gy.expand(B, T, size, size), dx, dy, bl], dim=2)
 
 
+class HiResHead(nn.Module):
+    """A refinement at the latent's own resolution (16x16 cells of 8 px). The trunk works on tokens of
+    2x2 cells and reads out through one transposed convolution; this head sees, cell by cell, the last
+    context latent and the noisy target (a skip path around the tokenisation), the target slot's action
+    maps and the trunk's upsampled features, and adds a correction to the output. Its last convolution
+    starts at zero, so adding it to a trained network (`--hires-ch`) does not change what it computes."""
+
+    def __init__(self, cfg: "DynamicsConfig", blocks: int = 2):
+        super().__init__()
+        c = cfg.hires_ch
+        self.inp = nn.Conv2d(2 * cfg.latent_ch + ACTION_MAP_CH + cfg.ch // 2, c, 3, padding=1)
+        self.blocks = nn.ModuleList([ResBlock(c, cfg.emb_dim) for _ in range(blocks)])
+        self.norm = group_norm(c)
+        self.out = nn.Conv2d(c, cfg.latent_ch, 3, padding=1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x, cond):
+        """x (N, 2*latent_ch + maps + ch/2, h, w) stacked inputs; cond (N, D) -> (N, latent_ch, h, w)."""
+        h = self.inp(x)
+        for blk in self.blocks:
+            h = blk(h, cond)
+        return self.out(F.silu(self.norm(h)))
+
+
 class DynamicsNet(nn.Module):
     """The network: context window + V noisy target variants -> F for each variant. Knows nothing about
     noise schedules."""
@@ -241,6 +268,7 @@ class DynamicsNet(nn.Module):
         self.out = nn.Conv2d(cfg.ch // 2, cfg.latent_ch, 3, padding=1)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
+        self.hires = HiResHead(cfg) if cfg.hires_ch > 0 else None
 
     def identity_blocks(self, start: int) -> None:
         """Make blocks[start:] identity maps (their residual branches output zero at first), so that blocks
@@ -275,7 +303,13 @@ class DynamicsNet(nn.Module):
         for blk in self.blocks:
             h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
         h = h_t.flatten(0, 1)  # (B*V, ch, h/2, w/2): only the target slot is read out
-        return self.out(F.silu(self.up(F.silu(self.norm_out(h))))).float().unflatten(0, (B, V))
+        u = F.silu(self.up(F.silu(self.norm_out(h))))  # (B*V, ch/2, h, w)
+        out = self.out(u)
+        if self.hires is not None:  # full-resolution skip: last context latent, noisy target, action maps
+            last = ctx[:, -1:].expand(B, V, *ctx.shape[2:])
+            x = torch.cat([last.to(dt), tgt.to(dt), maps[:, K:].expand(B, V, *maps.shape[2:]).to(dt)], dim=2)
+            out = out + self.hires(torch.cat([x.flatten(0, 1), u.to(dt)], dim=1), cond_t.flatten(0, 1))
+        return out.float().unflatten(0, (B, V))
 
 
 def change_weights(x: torch.Tensor, weight: float, threshold: float = 0.5) -> torch.Tensor:
@@ -290,6 +324,19 @@ def change_weights(x: torch.Tensor, weight: float, threshold: float = 0.5) -> to
     m = F.max_pool2d(m, 3, stride=1, padding=1)                            # grow by one cell
     w = 1.0 + weight * m
     return w / w.mean()
+
+
+def energy_score(x1: torch.Tensor, x2: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """Two-sample energy score of predictions x1, x2 (B, C, h, w) - two draws for the same input - against
+    the truth x: 1/2 (|x1 - x| + |x2 - x|) - 1/2 |x1 - x2|, per sample, averaged over the batch. |.| is the
+    root-mean-square over a sample's elements (the Euclidean norm / sqrt(C h w), so its gradients are on the
+    scale of the MSE terms'); w (B, 1, h, w) optional per-cell weights. A strictly proper scoring rule: its
+    expectation is minimised only when the draws come from the true conditional distribution, whereas MSE
+    is minimised by the conditional mean - which, for a pushed block the network is unsure of, is a faded
+    average of where it might go."""
+    s = w.sqrt() if w is not None else 1.0
+    rms = lambda e: (s * e).pow(2).flatten(1).mean(1).add(1e-12).sqrt()  # noqa: E731  (B,)
+    return (0.5 * (rms(x1 - x) + rms(x2 - x)) - 0.5 * rms(x1 - x2)).mean()
 
 
 class Stage2(nn.Module):
@@ -361,18 +408,29 @@ class Stage2(nn.Module):
         s_lo, s_hi = sigmas[idx], sigmas[idx + 1]
         s_max = torch.full_like(s_hi, c.sigma_max)
         eps = torch.randn_like(x)
+        # the one-step jump: MSE (its optimum is the conditional mean) or the energy score over two draws
+        # (its optimum is the conditional distribution: one-step samples rather than an average)
+        one_loss = getattr(self, "one_step_loss", "mse")
+        if one_loss not in ("mse", "energy"):
+            raise ValueError(f"one_step_loss must be 'mse' or 'energy', got {one_loss!r}")
+        jumps = 2 if one_loss == "energy" else 1
         x_t = torch.stack([x + s_hi[:, None, None, None] * eps, x + s_lo[:, None, None, None] * eps,
-                           torch.randn_like(x) * c.sigma_max], dim=1)  # (B, 3, C, h, w)
-        out = self.denoise(x_t, torch.stack([s_hi, s_lo, s_max], dim=1), ctx, ctx_sigma, actions, n_valid)
+                           *(torch.randn_like(x) * c.sigma_max for _ in range(jumps))], dim=1)  # (B, 2 + jumps, C, h, w)
+        out = self.denoise(x_t, torch.cat([torch.stack([s_hi, s_lo], dim=1), s_max[:, None].expand(B, jumps)], dim=1),
+                           ctx, ctx_sigma, actions, n_valid)
         x_hi, x_lo, x_one = out[:, 0], out[:, 1].detach(), out[:, 2]
         w = 1.0 / (s_hi - s_lo)
         huber_c = 0.00054 * (x[0].numel() ** 0.5)
         ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
         w_cell = change_weights(x, getattr(self, "change_weight", 0.0))  # (B, 1, h, w), not the CT level weight w
         dsm = (w_cell * (x_hi - x).pow(2)).mean()
-        one = (w_cell * (x_one - x).pow(2)).mean()
+        one_mse = (w_cell * (x_one - x).pow(2)).mean()
+        one = energy_score(x_one, out[:, 3], x, w_cell) if one_loss == "energy" else one_mse
         loss = 0.1 * ct + dsm + one
-        return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
+        logs = {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one_mse.item(), "num_scales": n}
+        if one_loss == "energy":
+            logs["one_step_energy"] = one.item()
+        return loss, logs
 
     @torch.no_grad()
     def predict(self, ctx, actions, n_valid, steps: int = 1, generator=None, ctx_noise=None, sampler: str = "consistency"):

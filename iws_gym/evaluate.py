@@ -303,23 +303,25 @@ def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 
 
 
 def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_episodes: int = 100,
-                  heldout: int = 16, steps: int = 100, windows: int = 256, seed: int = 0) -> dict:
-    """Where the dynamics' one-step error is: latent MSE of one-step predictions (1 consistency step, from
+                  heldout: int = 16, steps: int = 100, windows: int = 256, seed: int = 0,
+                  dynamics_steps: int = 1, dynamics_sampler: str = "consistency") -> dict:
+    """Where the dynamics' one-step error is: latent MSE of one-step predictions (by default 1 consistency step, from
     real history) on all windows and on windows whose target transition moves the T block (contact),
     against copying the last latent, on training episodes (the first `train_episodes` of `data`) and on
     held-out ones. The ratio model / copy is the share of the change the model leaves unexplained; a
-    train-vs-held-out gap separates overfitting from underfitting."""
+    train-vs-held-out gap separates overfitting from underfitting. Also: the energy of the predicted change
+    relative to the true change, and the variance between two samples (different seeds)."""
     import torch
 
     from .data import InMemoryEpisodes
     from .decoder import Stage1, Stage1Config
     from .dynamics import DynamicsConfig, Stage2
-    from .stages import LatentEpisodes, block_moves, load_stage, moving_transitions
+    from .stages import LatentEpisodes, block_moves, latent_cache, load_stage, moving_transitions
 
-    if min(train_episodes, heldout, steps, windows) <= 0:
-        raise ValueError("--train-episodes, --heldout, --steps and --windows must be > 0")
+    if min(train_episodes, heldout, steps, windows, dynamics_steps) <= 0:
+        raise ValueError("--train-episodes, --heldout, --steps, --windows and --dynamics-steps must be > 0")
     ck = Path(checkpoint or task.checkpoint_path)
-    s1, *_ = load_stage(ck, "stage1", Stage1Config, Stage1, "cpu")
+    s1, _, s1_file = load_stage(ck, "stage1", Stage1Config, Stage1, "cpu")
     model, *_ = load_stage(ck, "stage2", DynamicsConfig, Stage2, "cpu")
     cfg = model.cfg
     train = InMemoryEpisodes.load(Path(data), train_episodes)
@@ -328,17 +330,28 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
     sets = {"train": (train, block_moves(train.paths)),
             "heldout": (held, moving_transitions([e["block_pose"] for e in held_eps]))}
     report = dict(task=task.name, checkpoint=str(ck), data=str(data), train_episodes=len(train.frames),
+                  dynamics_sampler=dynamics_sampler, dynamics_steps=dynamics_steps,
                   heldout_episodes=heldout, steps=steps, windows=windows, by_set={})
     K = cfg.context
     for name, (eps, hard) in sets.items():
-        lat = LatentEpisodes(eps, s1.encoder, "cpu")
+        # the training episodes' latents are cached in the (git-ignored) data dir, as in training
+        cache = latent_cache(data, s1_file, len(eps.frames)) if name == "train" else None
+        lat = LatentEpisodes(eps, s1.encoder, "cpu", cache=cache)
         lat.hard = hard
         out = dict(block_moving_share=round(len(hard) / sum(len(a) for a in eps.actions), 4))
         for kind, focus in (("all", 0.0), ("block_moving", 1.0)):
             ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(seed), windows, K, 0, focus=focus)
             with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-                pred = model.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(seed)).float()
-            m, c = (pred - tgt[:, 0]).pow(2).mean().item(), (ctx[:, -1] - tgt[:, 0]).pow(2).mean().item()
-            out[kind] = dict(model_mse=m, copy_last_mse=c, unexplained=m / c)
+                pred, pred2 = (model.predict(ctx, act, nv, steps=dynamics_steps, sampler=dynamics_sampler,
+                                             generator=torch.Generator().manual_seed(s)).float() for s in (seed, seed + 1))
+            last = ctx[:, -1].float()
+            m, c = (pred - tgt[:, 0]).pow(2).mean().item(), (last - tgt[:, 0]).pow(2).mean().item()
+            out[kind] = dict(model_mse=m, copy_last_mse=c, unexplained=m / c,
+                             # energy of the predicted change against the true one (< 1: the model
+                             # under-predicts motion, the signature of a fade) ...
+                             predicted_change_ratio=(pred - last).pow(2).mean().item() / c,
+                             # ... and how much two samples differ (per-element variance): ~0 means the
+                             # learned next-latent distribution is collapsed to one prediction
+                             sample_variance=(pred - pred2).pow(2).mean().item() / 2)
         report["by_set"][name] = out
     return report

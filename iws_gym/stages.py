@@ -223,20 +223,28 @@ class Stage2Stage(StageBase):
             cfg, init_sd, init_meta = load_release(f2, "stage2", DynamicsConfig)
         if a.grow_blocks < 0 or (a.grow_blocks and not a.finetune):
             raise ValueError(f"--grow-blocks must be >= 0 and needs --finetune (it grows a release), got {a.grow_blocks}")
-        base_blocks = cfg.blocks
-        cfg = dataclasses.replace(cfg, blocks=cfg.blocks + a.grow_blocks)
+        if a.hires_ch < 0 or (a.hires_ch and cfg.hires_ch and a.hires_ch != cfg.hires_ch):
+            raise ValueError(f"--hires-ch must be >= 0 and cannot change the width of a release's head "
+                             f"({cfg.hires_ch}), got {a.hires_ch}")
+        base_blocks, base_hires = cfg.blocks, cfg.hires_ch
+        cfg = dataclasses.replace(cfg, blocks=cfg.blocks + a.grow_blocks, hires_ch=a.hires_ch or cfg.hires_ch)
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
         if a.change_weight < 0:
             raise ValueError(f"--change-weight must be >= 0, got {a.change_weight}")
         self.model.change_weight = a.change_weight
+        if a.one_step_loss not in ("mse", "energy"):
+            raise ValueError(f"--one-step-loss must be 'mse' or 'energy', got {a.one_step_loss!r}")
+        self.model.one_step_loss = a.one_step_loss
         if a.finetune:
             if a.grow_blocks:  # the release's weights + identity blocks after its own
                 self.model.net.identity_blocks(base_blocks)
-                new = {k: v for k, v in self.model.state_dict().items()
-                       if k.startswith("net.blocks.") and int(k.split(".")[2]) >= base_blocks}
-                init_sd = {**init_sd, **new}
+            # parameters the release lacks: grown blocks, and a new refinement head (its output starts at 0)
+            new = {k: v for k, v in self.model.state_dict().items()
+                   if (k.startswith("net.blocks.") and int(k.split(".")[2]) >= base_blocks)
+                   or (k.startswith("net.hires.") and not base_hires)}
+            init_sd = {**init_sd, **new}
             load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
@@ -292,8 +300,13 @@ class Stage2Stage(StageBase):
         if self.eval_moving is not None:
             ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_moving)
             pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
+            pred2 = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(1))
+            copy = (ctx[:, -1] - tgt).pow(2).mean().item()
             out["latent_mse_1step_block_moving"] = (pred - tgt).pow(2).mean().item()
-            out["latent_mse_copy_last_block_moving"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+            out["latent_mse_copy_last_block_moving"] = copy
+            # < 1: one step under-predicts the change (averaging); ~0 variance: one step does not sample
+            out["change_ratio_block_moving"] = (pred - ctx[:, -1]).pow(2).mean().item() / copy
+            out["sample_variance_block_moving"] = (pred - pred2).pow(2).mean().item() / 2
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
         D = self.EVAL_DEPTH
         *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))
@@ -306,7 +319,8 @@ class Stage2Stage(StageBase):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
-                     grow_blocks=self.a.grow_blocks)
+                     grow_blocks=self.a.grow_blocks, hires_ch=self.a.hires_ch,
+                     one_step_loss=self.a.one_step_loss)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

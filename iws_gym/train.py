@@ -60,6 +60,10 @@ class TrainArgs:
     change_weight: float = 0.0        # stage 2: extra loss weight on latent cells that change (see Stage2.loss)
     grow_blocks: int = 0              # stage 2 with --finetune: append this many identity-initialised blocks
                                       #   (more capacity without losing what the release learned)
+    one_step_loss: str = "mse"        # stage 2: the one-step jump's loss: mse (conditional mean) | energy
+                                      #   (energy score of two draws: one step samples; see dynamics.energy_score)
+    hires_ch: int = 0                 # stage 2: add a full-resolution refinement head of this width (HiResHead);
+                                      #   with --finetune it starts at zero, so the release's function is kept
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

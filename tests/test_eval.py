@@ -86,5 +86,14 @@ def test_contact_error_command(tiny_checkpoint, tiny_dataset, tmp_path):
         for kind in ("all", "block_moving"):
             k = s[kind]
             assert k["copy_last_mse"] > 0 and abs(k["unexplained"] - k["model_mse"] / k["copy_last_mse"]) < 1e-9
+            assert k["predicted_change_ratio"] > 0 and k["sample_variance"] >= 0
     proc = run_iws("eval", "contact", "--windows", 0, check=False)
     assert proc.returncode == 2 and "--windows" in proc.stderr
+    out2 = tmp_path / "contact_euler.json"
+    run_iws("eval", "contact", "--checkpoint", tiny_checkpoint, "--data", tiny_dataset, "--train-episodes", 2,
+            "--heldout", 2, "--steps", 30, "--windows", 8, "--dynamics-sampler", "euler", "--dynamics-steps", 3, "--json", out2)
+    r2 = json.loads(out2.read_text())
+    assert (r2["dynamics_sampler"], r2["dynamics_steps"]) == ("euler", 3) and r["dynamics_sampler"] == "consistency"
+    # the same windows and targets, another sampler: the copy baseline is identical, the predictions are not
+    assert r2["by_set"]["train"]["all"]["copy_last_mse"] == r["by_set"]["train"]["all"]["copy_last_mse"]
+    assert r2["by_set"]["train"]["all"]["model_mse"] != r["by_set"]["train"]["all"]["model_mse"]

@@ -284,12 +284,13 @@ def test_grow_blocks_appends_identity_blocks_to_a_release(tiny_dataset, tiny_che
         assert sd1[new + k].abs().max().item() == 0.0
 
 
-def test_identity_blocks_leave_the_network_function_unchanged():
+def _release_and_grown(**grow):
+    """A tiny 'release' m0 (with a non-zero read-out, as after training) and a copy m1 of it with the
+    config changes in `grow` (new parameters freshly initialised), plus a fixed window and a predictor."""
     torch.manual_seed(0)
     cfg0 = DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2)
-    cfg1 = dataclasses.replace(cfg0, blocks=2)
-    m0, m1 = Stage2(cfg0), Stage2(cfg1)
-    torch.nn.init.normal_(m0.net.out.weight, std=0.1)  # a trained (non-zero) read-out shows the blocks' effect
+    m0, m1 = Stage2(cfg0), Stage2(dataclasses.replace(cfg0, **grow))
+    torch.nn.init.normal_(m0.net.out.weight, std=0.1)  # a trained (non-zero) read-out shows new parts' effect
     m1.load_state_dict({**m1.state_dict(), **m0.state_dict()})
     g = torch.Generator().manual_seed(0)
     ctx, act = torch.randn(3, 2, 8, 16, 16, generator=g) * 0.3, torch.rand(3, 2, 2, generator=g) * 512
@@ -298,7 +299,79 @@ def test_identity_blocks_leave_the_network_function_unchanged():
     def pred(m):
         return m.predict(ctx, act, nv, generator=torch.Generator().manual_seed(1), ctx_noise=noise)
 
+    return m0, m1, (ctx, act, nv), pred
+
+
+def test_identity_blocks_leave_the_network_function_unchanged():
+    m0, m1, _, pred = _release_and_grown(blocks=2)
     z0 = pred(m0)
     assert (pred(m1) - z0).abs().max().item() > 1e-4  # a freshly initialised extra block changes the output
     m1.net.identity_blocks(1)
     torch.testing.assert_close(pred(m1), z0)
+
+
+def test_hires_head_starts_as_a_no_op_and_learns_a_correction():
+    m0, m1, (ctx, act, nv), pred = _release_and_grown(hires_ch=8)
+    z0 = pred(m0)
+    torch.testing.assert_close(pred(m1), z0)  # zero-initialised output: the release's function, exactly
+    m1.total_steps = 100
+    tgt = ctx[:, -1] + 0.2 * torch.randn(3, 8, 16, 16, generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.Adam(m1.net.hires.parameters(), lr=1e-2)
+    for step in range(3):
+        loss, _ = m1.loss((ctx, act, tgt, nv), step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert m1.net.hires.out.weight.abs().max().item() > 0  # gradients reach the head through its zero output
+    assert (pred(m1) - z0).abs().max().item() > 1e-4
+
+
+def test_hires_ch_adds_a_head_to_a_release(tiny_dataset, tiny_checkpoint, tmp_path):
+    from iws_gym.checkpoint import load_release
+
+    out = tmp_path / "hires"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
+            "--hires-ch", 8, "--out", out, "--steps", 2, "--batch", 4, "--lr", 0, "--eval-every", 100, "--warmup", 1)
+    cfg0, sd0, _ = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
+    cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert cfg0.hires_ch == 0 and cfg1.hires_ch == 8 and meta1["hires_ch"] == 8
+    for k in sd0:  # lr 0: the release's own weights, untouched
+        torch.testing.assert_close(sd1[k].float(), sd0[k].float())
+    assert sd1["net.hires.out.weight"].abs().max().item() == 0.0
+    # a release with a head keeps it when fine-tuned; its width cannot be changed
+    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", out,
+                   "--hires-ch", 16, "--out", tmp_path / "hires2", "--steps", 1, check=False)
+    assert proc.returncode != 0 and "--hires-ch" in proc.stderr
+
+
+def test_energy_score_prefers_samples_where_mse_prefers_the_mean():
+    from iws_gym.dynamics import energy_score
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, 16, 16, generator=g)  # the truth: a draw from N(0, 1)
+    s1, s2 = torch.randn(64, 8, 16, 16, generator=g), torch.randn(64, 8, 16, 16, generator=g)  # draws from it too
+    mean = torch.zeros_like(x)
+    assert energy_score(s1, s2, x) < energy_score(mean, mean, x) - 0.2   # ~0.71 vs ~1.0
+    assert (s1 - x).pow(2).mean() > (mean - x).pow(2).mean() + 0.5       # MSE: 2 vs 1, the mean wins
+    assert energy_score(mean, mean, x).item() == pytest.approx((x.pow(2).flatten(1).mean(1).sqrt()).mean().item(), rel=1e-5)
+    w = torch.ones(64, 1, 16, 16)
+    torch.testing.assert_close(energy_score(s1, s2, x, w), energy_score(s1, s2, x))
+
+
+def test_energy_one_step_loss_trains_two_jumps():
+    torch.manual_seed(0)
+    m = Stage2(DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2))
+    m.total_steps = 100
+    g = torch.Generator().manual_seed(0)
+    ctx, act = torch.randn(4, 2, 8, 16, 16, generator=g) * 0.3, torch.rand(4, 2, 2, generator=g) * 512
+    batch = (ctx, act, ctx[:, -1] + 0.1 * torch.randn(4, 8, 16, 16, generator=g), torch.tensor([1, 2, 2, 1]))
+    _, logs = m.loss(batch, 0)
+    assert "one_step_energy" not in logs
+    m.one_step_loss = "energy"
+    loss, logs = m.loss(batch, 0)
+    assert "one_step_energy" in logs and torch.isfinite(loss)
+    loss.backward()
+    assert m.net.out.weight.grad.abs().sum() > 0
+    m.one_step_loss = "l1"
+    with pytest.raises(ValueError, match="one_step_loss"):
+        m.loss(batch, 0)
