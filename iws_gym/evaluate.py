@@ -12,6 +12,7 @@ report carries two baselines so the numbers have a scale:
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -137,15 +138,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
                   per_step={}, summary={}, wall_s=None)
     for name, d in per.items():
         arr = {k: np.stack(v) for k, v in d.items()}  # (episodes, T+1)
-        report["per_step"][name] = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim")
-                                    else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
-        s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
-        for k in POSE_KEYS:
-            s[f"{k}_median"] = float(np.nanmedian(arr[k][:, 1:]))
-            s[f"{k}_missing_frac"] = float(np.isnan(arr[k][:, 1:]).mean())
-            for t in (32, 64, 192):
-                if t <= horizon:
-                    s[f"{k}_median@{t}"] = float(np.nanmedian(arr[k][:, t]))
+        report["per_step"][name], s = summarise(arr, horizon)
         s["seconds_per_episode"] = timings[name] / episodes
         report["summary"][name] = s
     gt = report["summary"]["ground_truth_rerender"]
@@ -159,6 +152,32 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
         save_grid(grid_rows, Path(grid), scale=1)
         report["grid"] = dict(path=str(grid), rows="per episode: true frames, then the model's", steps=grid_steps)
     return report
+
+
+def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
+    """Per-step curves and the summary of one predictor's metrics, arr[k] (episodes, T+1) with NaN where
+    the pose estimator found nothing. Frame metrics are means over steps 1..T, pose errors medians over
+    the frames where the object was found; `{k}_found@t` says over how many episodes a median at step t
+    was taken, `{k}_median_counting_lost@t` is the median over all episodes with a lost object counted as
+    the worst error, and per_step `{k}_found` is the share of episodes that have it at each step."""
+    with warnings.catch_warnings():  # steps where no episode has the object: NaN, by design
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_step = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim")
+                    else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
+    s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
+    for k in POSE_KEYS:
+        found = ~np.isnan(arr[k])
+        per_step[f"{k}_found"] = found.mean(axis=0).tolist()
+        s[f"{k}_median"] = float(np.nanmedian(arr[k][:, 1:])) if found[:, 1:].any() else float("nan")
+        s[f"{k}_missing_frac"] = float(1 - found[:, 1:].mean())
+        for t in (32, 64, 192):
+            if t <= horizon:
+                s[f"{k}_median@{t}"] = float(np.nanmedian(arr[k][:, t])) if found[:, t].any() else float("nan")
+                s[f"{k}_found@{t}"] = int(found[:, t].sum())
+                # stricter: an episode that lost the object counts as the worst error (None: over half lost)
+                strict = float(np.median(np.where(found[:, t], arr[k][:, t], np.inf)))
+                s[f"{k}_median_counting_lost@{t}"] = strict if np.isfinite(strict) else None
+    return per_step, s
 
 
 GRID_STEPS = (0, 4, 8, 16, 32, 64, 128, 192)
@@ -180,12 +199,14 @@ def plot_per_step(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["psnr", "ssim", "agent_px", "block_px", "block_rad", "coverage"]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    keys = ["psnr", "ssim", "agent_px", "block_px", "block_rad", "coverage", "agent_px_found", "block_px_found"]
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
     for ax, k in zip(axes.ravel(), keys):
         for name, d in report["per_step"].items():
-            ax.plot(d[k], label=name)
-        ax.set_title(k + (" (mean)" if k in ("psnr", "ssim") else " error (median)"))
+            if k in d:  # reports written before the found shares existed lack them
+                ax.plot(d[k], label=name)
+        ax.set_title(k.replace("_px_found", " found (share of episodes)") if k.endswith("_found")
+                     else k + (" (mean)" if k in ("psnr", "ssim") else " error (median)"))
         ax.set_xlabel("step")
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"open-loop fidelity, {report['episodes']} held-out episodes ({report['behaviour']})")
@@ -344,14 +365,6 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
             with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
                 pred, pred2 = (model.predict(ctx, act, nv, steps=dynamics_steps, sampler=dynamics_sampler,
                                              generator=torch.Generator().manual_seed(s)).float() for s in (seed, seed + 1))
-            last = ctx[:, -1].float()
-            m, c = (pred - tgt[:, 0]).pow(2).mean().item(), (last - tgt[:, 0]).pow(2).mean().item()
-            out[kind] = dict(model_mse=m, copy_last_mse=c, unexplained=m / c,
-                             # energy of the predicted change against the true one (< 1: the model
-                             # under-predicts motion, the signature of a fade) ...
-                             predicted_change_ratio=(pred - last).pow(2).mean().item() / c,
-                             # ... and how much two samples differ (per-element variance): ~0 means the
-                             # learned next-latent distribution is collapsed to one prediction
-                             sample_variance=(pred - pred2).pow(2).mean().item() / 2)
+            out[kind] = metrics.latent_change_stats(ctx[:, -1], pred, pred2, tgt[:, 0])
         report["by_set"][name] = out
     return report

@@ -56,3 +56,20 @@ def ssim(a: np.ndarray, b: np.ndarray, chunk: int = 64) -> np.ndarray:
         s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
         out.append(s.reshape(N, C, -1).mean(dim=(1, 2)).numpy())
     return np.concatenate(out)
+
+
+def latent_change_stats(last: torch.Tensor, pred: torch.Tensor, pred2: torch.Tensor, tgt: torch.Tensor) -> dict:
+    """One-step dynamics diagnostics on latents of one shape: `last` the last context latent, `pred` and
+    `pred2` two samples of the next latent (different noise seeds), `tgt` the true next latent.
+    model_mse / copy_last_mse = unexplained share of the true change; predicted_change_ratio: energy of
+    the predicted change over the true change's (< 1: the model under-predicts motion, the signature of
+    a fade); sample_variance: per-element variance of the two samples (~0: the learned next-latent
+    distribution has collapsed to one prediction, the conditional mean)."""
+    if not (last.shape == pred.shape == pred2.shape == tgt.shape):
+        raise ValueError(f"latent_change_stats: shapes differ: last {tuple(last.shape)}, pred {tuple(pred.shape)}, "
+                         f"pred2 {tuple(pred2.shape)}, tgt {tuple(tgt.shape)}")
+    last, pred, pred2, tgt = (t.float() for t in (last, pred, pred2, tgt))
+    m, c = (pred - tgt).pow(2).mean().item(), (last - tgt).pow(2).mean().item()
+    return dict(model_mse=m, copy_last_mse=c, unexplained=m / c,
+                predicted_change_ratio=(pred - last).pow(2).mean().item() / c,
+                sample_variance=(pred - pred2).pow(2).mean().item() / 2)

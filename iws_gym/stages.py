@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import metrics
 from .checkpoint import save_release
 from .collect import git_commit, heldout_episodes
 from .data import InMemoryEpisodes, load_meta
@@ -301,12 +302,12 @@ class Stage2Stage(StageBase):
             ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_moving)
             pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
             pred2 = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(1))
-            copy = (ctx[:, -1] - tgt).pow(2).mean().item()
-            out["latent_mse_1step_block_moving"] = (pred - tgt).pow(2).mean().item()
-            out["latent_mse_copy_last_block_moving"] = copy
+            st = metrics.latent_change_stats(ctx[:, -1], pred, pred2, tgt)
+            out["latent_mse_1step_block_moving"] = st["model_mse"]
+            out["latent_mse_copy_last_block_moving"] = st["copy_last_mse"]
             # < 1: one step under-predicts the change (averaging); ~0 variance: one step does not sample
-            out["change_ratio_block_moving"] = (pred - ctx[:, -1]).pow(2).mean().item() / copy
-            out["sample_variance_block_moving"] = (pred - pred2).pow(2).mean().item() / 2
+            out["change_ratio_block_moving"] = st["predicted_change_ratio"]
+            out["sample_variance_block_moving"] = st["sample_variance"]
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
         D = self.EVAL_DEPTH
         *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))

@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from iws_gym.collect import heldout_episodes
 from iws_gym.evaluate import frame_metrics, rerender_states
@@ -97,3 +98,27 @@ def test_contact_error_command(tiny_checkpoint, tiny_dataset, tmp_path):
     # the same windows and targets, another sampler: the copy baseline is identical, the predictions are not
     assert r2["by_set"]["train"]["all"]["copy_last_mse"] == r["by_set"]["train"]["all"]["copy_last_mse"]
     assert r2["by_set"]["train"]["all"]["model_mse"] != r["by_set"]["train"]["all"]["model_mse"]
+
+
+def test_fidelity_summary_counts_where_the_object_was_found():
+    from iws_gym.evaluate import summarise
+
+    T, nan = 64, np.nan
+    arr = {k: np.ones((4, T + 1)) for k in ("mse", "psnr", "ssim", "agent_px", "block_rad", "coverage")}
+    block = np.tile(np.arange(T + 1, dtype=float), (4, 1))  # error grows by 1 px a step
+    block[1:, 32:] = nan                                       # 3 of 4 episodes lose the block at step 32
+    arr["block_px"] = block
+    per_step, s = summarise(arr, T)
+    assert s["block_px_found@32"] == 1 and s["block_px_found@64"] == 1 and s["agent_px_found@32"] == 4
+    assert s["block_px_median@32"] == 32.0  # the one episode that still has it
+    assert s["block_px_median_counting_lost@32"] is None and s["agent_px_median_counting_lost@32"] == 1.0
+    arr["block_px"][1, 32] = 5.0  # 2 of 4 found at step 32: the median counting the lost ones is inf
+    assert summarise(arr, T)[1]["block_px_median_counting_lost@32"] is None
+    arr["block_px"][2, 32] = 7.0  # 3 of 4 found (5, 7, 32) and one lost: median of (5, 7, 32, inf) = 19.5
+    assert summarise(arr, T)[1]["block_px_median_counting_lost@32"] == 19.5
+    assert s["block_px_missing_frac"] == pytest.approx(3 * 33 / (4 * T))
+    assert per_step["block_px_found"][31] == 1.0 and per_step["block_px_found"][32] == 0.25
+    assert "block_px_median@192" not in s  # beyond the horizon
+    arr["block_px"][:] = nan
+    _, s = summarise(arr, T)
+    assert np.isnan(s["block_px_median"]) and s["block_px_found@32"] == 0 and s["block_px_missing_frac"] == 1.0

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from iws_gym import metrics
 
@@ -31,3 +32,16 @@ def test_ssim_drops_with_noise_and_is_symmetric():
 def test_rejects_bad_frames():
     with pytest.raises(ValueError, match="uint8"):
         metrics.psnr(np.zeros((1, 8, 8, 3), np.float32), np.zeros((1, 8, 8, 3), np.float32))
+
+
+def test_latent_change_stats_mean_prediction_and_samples():
+    last, tgt = torch.zeros(4, 2, 3, 3), torch.ones(4, 2, 3, 3)
+    half = torch.full_like(tgt, 0.5)
+    s = metrics.latent_change_stats(last, half, half, tgt)  # the conditional mean of "stay" or "move by 2"
+    assert s["unexplained"] == pytest.approx(0.25) and s["predicted_change_ratio"] == pytest.approx(0.25)
+    assert s["sample_variance"] == 0.0
+    s = metrics.latent_change_stats(last, tgt, tgt + 0.2, tgt)  # right change, two different draws
+    assert s["unexplained"] == 0.0 and s["predicted_change_ratio"] == pytest.approx(1.0)
+    assert s["sample_variance"] == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="shapes differ"):
+        metrics.latent_change_stats(last, half[:2], half, tgt)
