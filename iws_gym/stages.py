@@ -320,7 +320,7 @@ class Stage2Stage(StageBase):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
-                     grow_blocks=self.a.grow_blocks, hires_ch=self.a.hires_ch,
+                     grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch,
                      one_step_loss=self.a.one_step_loss)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
