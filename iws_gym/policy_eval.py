@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .groundtruth import make_env
+from .scorer import TPushCoverageScorer
 from .tasks import TaskConfig
 
 
@@ -66,7 +67,11 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
     return np.array(out)
 
 
-def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32, reencode=True):
+def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32, reencode=True,
+                best_frames: list | None = None):
+    """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
+    episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
+    to it (so the score can be re-read by another scorer)."""
     import gymnasium as gym
 
     import iws_gym  # noqa: F401
@@ -81,18 +86,29 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
         runners = [_Runner(factory, seed + i) for i in idx]
         best = np.array(info["coverage"], dtype=float)
+        keep = best_frames is not None
+        at_best = _pixels(obs).copy() if keep else None
         done = np.zeros(len(idx), bool)
         for _ in range(horizon):
             acts = np.stack([r.act({k: v[j] for k, v in obs.items()}) if not done[j] else np.zeros(2, np.float32)
                              for j, r in enumerate(runners)])
             obs, rew, term, trunc, info = envs.step(acts)
-            best = np.where(done, best, np.maximum(best, info["coverage"]))
+            better = ~done & (np.asarray(info["coverage"]) > best)
+            if keep:
+                at_best[better] = _pixels(obs)[better]
+            best = np.where(better, info["coverage"], best)
             done |= term
             if done.all():
                 break
         scores[idx] = best
+        if keep:
+            best_frames.extend(at_best)
         envs.close()
     return scores, (time.time() - t0) / n
+
+
+def _pixels(obs) -> np.ndarray:
+    return obs["pixels"] if isinstance(obs, dict) else obs
 
 
 def run_ground_truth(task, factory, states, horizon, seed):
@@ -133,8 +149,20 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
     if ground_truth:
         gt, t_g = run_ground_truth(task, factory, states, horizon, seed)
         report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
-        report["gap"] = dict(mean=float((learned - gt).mean()), mean_abs=float(np.abs(learned - gt).mean()))
+        report["gap"] = dict(**paired_gap(learned, gt), mean_abs=float(np.abs(learned - gt).mean()))
     return report
+
+
+def paired_gap(learned, gt) -> dict:
+    """Mean learned - ground-truth score over episodes that share their initial state, with the standard
+    error of that mean from the per-episode differences (pairing removes the spread between starts), and
+    whether the gap is more than two standard errors from zero."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 1 or len(gt) < 2:
+        raise ValueError(f"paired_gap needs two equal-length 1D score arrays of >= 2 episodes, got {learned.shape} and {gt.shape}")
+    d = learned - gt
+    se = float(d.std(ddof=1) / np.sqrt(len(d)))
+    return dict(mean=float(d.mean()), stderr=se, significant=bool(abs(d.mean()) > 2 * se))
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -172,8 +200,12 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
         torch.set_num_threads(threads)
     task, factory = load_task(task_name), suite()[name]
     if world == "learned":
-        return run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode)
-    return run_ground_truth(task, factory, states, horizon, seed)
+        frames: list = []
+        scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames)
+        # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
+        pose = np.array([TPushCoverageScorer(method="pose").coverage(f) for f in frames])
+        return scores, sec, pose
+    return (*run_ground_truth(task, factory, states, horizon, seed), None)
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
@@ -214,20 +246,28 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
             res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
     per = {}
     for name in policies:  # the suite's order, whatever finished first
-        (learned, t_l), (gt, t_g) = res[(name, "learned")], res[(name, "ground_truth")]
-        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=float(learned.mean() - gt.mean()),
-                         episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
-                         seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist())
+        (learned, t_l, pose), (gt, t_g, _) = res[(name, "learned")], res[(name, "ground_truth")]
+        pg = paired_gap(learned, gt)
+        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=pg["mean"], gap_stderr=pg["stderr"],
+                         gap_significant=pg["significant"], episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
+                         seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist(),
+                         scores_learned_pose=pose.tolist())
     L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
     G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
     all_l = np.concatenate([p["scores_learned"] for p in per.values()])
     all_g = np.concatenate([p["scores_ground_truth"] for p in per.values()])
+    all_p = np.concatenate([p["scores_learned_pose"] for p in per.values()])
     overall = dict(policies=len(per), pearson_r=pearson(L, G), spearman_rho=spearman(L, G),
                    mean_bias=float((L - G).mean()), mean_abs_gap=float(np.abs(L - G).mean()),
                    episode_level_pearson_r=pearson(all_l, all_g),
                    success_rate_pearson_r=pearson([p["learned"]["success_rate"] for p in per.values()],
                                                   [p["ground_truth"]["success_rate"] for p in per.values()]),
                    optimistic_policies=[k for k, p in per.items() if p["gap"] > 0.1],
+                   significantly_optimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] > 0],
+                   significantly_pessimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] < 0],
+                   # the learned score re-read by the pose-fit scorer at each episode's best frame
+                   pose_scorer_mean_abs_diff=float(np.mean(np.abs(all_l - all_p))),
+                   pearson_r_pose_scorer=pearson([np.mean(p["scores_learned_pose"]) for p in per.values()], G),
                    seconds_per_episode_learned=float(np.mean([p["seconds_per_episode_learned"] for p in per.values()])),
                    seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
     overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,

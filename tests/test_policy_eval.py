@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from .conftest import run_iws
 
@@ -58,6 +59,34 @@ def test_rank_statistics():
     assert np.isnan(pearson(x, np.ones(4)))
 
 
+def test_paired_gap_uses_the_per_start_differences():
+    from iws_gym.policy_eval import paired_gap
+
+    gt = np.array([0.0, 0.2, 0.5, 0.9, 0.3, 0.1])
+    # a constant offset is significant however much the starts differ from each other
+    g = paired_gap(gt + 0.05, gt)
+    assert abs(g["mean"] - 0.05) < 1e-12 and g["stderr"] < 1e-12 and g["significant"]
+    # one lucky episode: the mean gap is positive but within two standard errors
+    g = paired_gap(gt + np.array([0.3, 0, 0, 0, 0, 0]), gt)
+    assert abs(g["mean"] - 0.05) < 1e-12 and abs(g["stderr"] - 0.05) < 1e-12 and not g["significant"]
+    with pytest.raises(ValueError, match="equal-length"):
+        paired_gap(gt[:3], gt)
+
+
+def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
+    from iws_gym.policies import suite
+    from iws_gym.policy_eval import run_learned, start_states
+    from iws_gym.scorer import TPushCoverageScorer
+    from iws_gym.tasks import load_task
+
+    task = load_task("tpushing")
+    frames: list = []
+    scores, _ = run_learned(task, suite()["random"], start_states(task, 3, 0), 4, 0, tiny_checkpoint, "cpu", best_frames=frames)
+    assert len(frames) == 3 and frames[0].shape == (task.frame_size, task.frame_size, 3)
+    # the env's scorer, re-run on the kept frames, gives back each episode's score
+    np.testing.assert_allclose([TPushCoverageScorer().coverage(f) for f in frames], scores, atol=1e-6)
+
+
 def test_suite_policies_act_in_the_ground_truth():
     from iws_gym.groundtruth import make_env
     from iws_gym.policies import suite
@@ -79,7 +108,10 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
     assert set(r["per_policy"]) == {"idle", "random", "bc_step300"}
     for p in r["per_policy"].values():
         assert len(p["scores_learned"]) == 2 and len(p["scores_ground_truth"]) == 2
-    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap"} <= set(r["overall"])
+    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap", "pose_scorer_mean_abs_diff"} <= set(r["overall"])
+    for p in r["per_policy"].values():
+        assert len(p["scores_learned_pose"]) == 2 and all(0 <= c <= 1 for c in p["scores_learned_pose"])
+        assert p["gap_stderr"] >= 0 and isinstance(p["gap_significant"], bool)
     assert (tmp_path / "corr.png").stat().st_size > 0 and r["workers"] == 2
     # one process gives the same scores as the two worker processes (same starts, same seeds)
     one = tmp_path / "corr1.json"
