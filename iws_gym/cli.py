@@ -52,7 +52,8 @@ def cmd_eval_contact(a):
 def cmd_eval_policy(a):
     from .policy_eval import evaluate_policy
 
-    _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device), a.json)
+    _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device,
+                          video=a.video, video_episodes=a.video_episodes), a.json)
 
 
 def cmd_eval_stability(a):
@@ -217,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     epo.add_argument("--checkpoint", default=None)
     epo.add_argument("--device", default="auto")
     epo.add_argument("--json", default=None)
+    epo.add_argument("--video", default=None, help="write the first episodes side by side as an mp4 (with --ground-truth, "
+                                                   "gym-pusht above the learned env)")
+    epo.add_argument("--video-episodes", type=int, default=4)
     epo.set_defaults(fn=cmd_eval_policy)
 
     es = esub.add_parser("stability", help="very long open-loop rollouts: first step where a frame stops being valid")

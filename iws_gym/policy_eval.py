@@ -68,10 +68,12 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
 
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32, reencode=True,
-                best_frames: list | None = None):
+                best_frames: list | None = None, record: list | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
     episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
-    to it (so the score can be re-read by another scorer)."""
+    to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
+    the first batch's episodes are appended to it, one (n, H, W, 3) array per step (an episode that has
+    ended repeats its last frame)."""
     import gymnasium as gym
 
     import iws_gym  # noqa: F401
@@ -88,6 +90,9 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         best = np.array(info["coverage"], dtype=float)
         keep = best_frames is not None
         at_best = _pixels(obs).copy() if keep else None
+        rec = record is not None and b0 == 0
+        if rec:
+            record.append(_pixels(obs).copy())
         done = np.zeros(len(idx), bool)
         for _ in range(horizon):
             acts = np.stack([r.act({k: v[j] for k, v in obs.items()}) if not done[j] else np.zeros(2, np.float32)
@@ -96,6 +101,8 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
             better = ~done & (np.asarray(info["coverage"]) > best)
             if keep:
                 at_best[better] = _pixels(obs)[better]
+            if rec:
+                record.append(np.where(done[:, None, None, None], record[-1], _pixels(obs)))
             best = np.where(better, info["coverage"], best)
             done |= term
             if done.all():
@@ -111,7 +118,10 @@ def _pixels(obs) -> np.ndarray:
     return obs["pixels"] if isinstance(obs, dict) else obs
 
 
-def run_ground_truth(task, factory, states, horizon, seed):
+def run_ground_truth(task, factory, states, horizon, seed, record: list | None = None, record_episodes: int = 0):
+    """Scores of one policy in gym-pusht from each initial state, and seconds per episode. If `record` is
+    a list, it receives the observed frames of the first `record_episodes` episodes, one (T+1, H, W, 3)
+    array per episode (an episode that ended early repeats its last frame)."""
     env = make_env(task.frame_size)
     scores = np.zeros(len(states))
     t0 = time.time()
@@ -119,13 +129,32 @@ def run_ground_truth(task, factory, states, horizon, seed):
         obs, info = env.reset(options={"reset_to_state": st})
         runner = _Runner(factory, seed + i)
         best = float(env._get_coverage())
+        frames = [obs["pixels"]] if record is not None and i < record_episodes else None
         for _ in range(horizon):
             obs, r, term, trunc, info = env.step(runner.act(obs))
             best = max(best, info["coverage"])
+            if frames is not None:
+                frames.append(obs["pixels"])
             if term:
                 break
+        if frames is not None:
+            record.append(np.stack(frames + [frames[-1]] * (horizon + 1 - len(frames))))
         scores[i] = best
     return scores, (time.time() - t0) / len(states)
+
+
+def episode_video_frames(learned: list, ground_truth: list | None = None) -> list[np.ndarray]:
+    """Video frames that tile episodes side by side, the ground truth (if given) above the learned env:
+    `learned` is a list of (n, H, W, 3) arrays, one per step; `ground_truth` a list of n (T+1, H, W, 3)
+    arrays, one per episode."""
+    out = []
+    for t, row in enumerate(learned):
+        tile = np.concatenate(list(row), axis=1)  # (H, n*W, 3)
+        if ground_truth is not None:
+            gt = np.concatenate([ep[min(t, len(ep) - 1)] for ep in ground_truth], axis=1)
+            tile = np.concatenate([gt, tile], axis=0)
+        out.append(tile)
+    return out
 
 
 def _summary(scores: np.ndarray) -> dict:
@@ -137,19 +166,31 @@ def _summary(scores: np.ndarray) -> dict:
 
 
 def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, seed: int = 0, ground_truth: bool = False,
-                    checkpoint=None, device: str = "auto") -> dict:
+                    checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4) -> dict:
+    """With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
+    --ground-truth, gym-pusht's frames above the learned env's, from the same starts)."""
     if episodes <= 0 or horizon <= 0:
         raise ValueError(f"--episodes and --horizon must be > 0, got {episodes} and {horizon}")
+    if video is not None and video_episodes <= 0:
+        raise ValueError(f"--video-episodes must be > 0, got {video_episodes}")
     factory = load_policy_factory(policy)
     states = start_states(task, episodes, seed)
-    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device)
+    k = min(video_episodes, episodes, 32)  # recorded from the first batch of 32
+    rec_l = [] if video is not None else None
+    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l)
     report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
                   learned=dict(**_summary(learned), seconds_per_episode=t_l, scores=learned.tolist()))
+    rec_g = [] if video is not None and ground_truth else None
     if ground_truth:
-        gt, t_g = run_ground_truth(task, factory, states, horizon, seed)
+        gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec_g, record_episodes=k)
         report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
         report["gap"] = dict(**paired_gap(learned, gt), mean_abs=float(np.abs(learned - gt).mean()))
+    if video is not None:
+        from .demo import write_video
+
+        write_video(episode_video_frames([f[:k] for f in rec_l], rec_g), video, scale=2)
+        report["video"] = dict(path=str(video), episodes=k, layout="gym-pusht above the learned env" if ground_truth else "learned env")
     return report
 
 

@@ -23,10 +23,28 @@ chunked_policy.is_factory = True
 def test_eval_policy_both_worlds(tiny_checkpoint, tmp_path):
     out = tmp_path / "p.json"
     run_iws("eval", "policy", "--policy", "iws_gym.policies:IdlePolicy", "--episodes", 2, "--horizon", 3,
-            "--ground-truth", "--checkpoint", tiny_checkpoint, "--device", "cpu", "--json", out)
+            "--ground-truth", "--checkpoint", tiny_checkpoint, "--device", "cpu", "--json", out,
+            "--video", tmp_path / "p.mp4", "--video-episodes", 2)
     r = json.loads(out.read_text())
     assert r["learned"]["episodes"] == 2 and len(r["ground_truth"]["scores"]) == 2
     assert 0 <= r["gap"]["mean_abs"] <= 1 and r["ground_truth"]["seconds_per_episode"] > 0
+    import cv2
+
+    cap = cv2.VideoCapture(str(tmp_path / "p.mp4"))
+    n, w, h = (int(cap.get(k)) for k in (cv2.CAP_PROP_FRAME_COUNT, cv2.CAP_PROP_FRAME_WIDTH, cv2.CAP_PROP_FRAME_HEIGHT))
+    assert (n, w, h) == (4, 2 * 2 * 128, 2 * 2 * 128)  # reset + 3 steps; 2 episodes wide, gym-pusht above learned; x2
+    assert r["video"]["episodes"] == 2 and not (tmp_path / "p.tmp.mp4").exists()
+
+
+def test_episode_video_frames_tiles_ground_truth_above_learned():
+    from iws_gym.policy_eval import episode_video_frames
+
+    learned = [np.full((2, 4, 4, 3), t, np.uint8) for t in range(3)]  # 3 steps of 2 episodes
+    gt = [np.full((2, 4, 4, 3), 100 + e, np.uint8) for e in range(2)]  # episodes that ended after 1 step
+    out = episode_video_frames(learned, gt)
+    assert len(out) == 3 and out[0].shape == (8, 8, 3)
+    assert (out[2][:4, :4] == 100).all() and (out[2][:4, 4:] == 101).all() and (out[2][4:] == 2).all()
+    assert episode_video_frames(learned)[1].shape == (4, 8, 3)
 
 
 def test_eval_policy_action_chunks_and_bad_spec(tiny_checkpoint, tmp_path):
