@@ -199,9 +199,11 @@ def paired_gap(learned, gt) -> dict:
     error of that mean from the per-episode differences (pairing removes the spread between starts), and
     whether the gap is more than two standard errors from zero."""
     learned, gt = np.asarray(learned, float), np.asarray(gt, float)
-    if learned.shape != gt.shape or gt.ndim != 1 or len(gt) < 2:
-        raise ValueError(f"paired_gap needs two equal-length 1D score arrays of >= 2 episodes, got {learned.shape} and {gt.shape}")
+    if learned.shape != gt.shape or gt.ndim != 1 or len(gt) < 1:
+        raise ValueError(f"paired_gap needs two equal-length, non-empty 1D score arrays, got {learned.shape} and {gt.shape}")
     d = learned - gt
+    if len(d) < 2:  # one episode: no spread to judge the gap by
+        return dict(mean=float(d.mean()), stderr=None, significant=False)
     se = float(d.std(ddof=1) / np.sqrt(len(d)))
     return dict(mean=float(d.mean()), stderr=se, significant=bool(abs(d.mean()) > 2 * se))
 

@@ -50,8 +50,9 @@ def test_episode_video_frames_tiles_ground_truth_above_learned():
 def test_eval_policy_action_chunks_and_bad_spec(tiny_checkpoint, tmp_path):
     out = tmp_path / "c.json"
     run_iws("eval", "policy", "--policy", "tests.test_policy_eval:chunked_policy", "--episodes", 1, "--horizon", 4,
-            "--checkpoint", tiny_checkpoint, "--device", "cpu", "--json", out)
-    assert json.loads(out.read_text())["learned"]["episodes"] == 1
+            "--ground-truth", "--checkpoint", tiny_checkpoint, "--device", "cpu", "--json", out)
+    r = json.loads(out.read_text())
+    assert r["learned"]["episodes"] == 1 and r["gap"]["stderr"] is None and r["gap"]["significant"] is False
     bad = run_iws("eval", "policy", "--policy", "no_such_module:x", "--episodes", 1, "--horizon", 2, check=False)
     assert bad.returncode == 2 and "cannot load policy" in bad.stderr
 
@@ -89,6 +90,8 @@ def test_paired_gap_uses_the_per_start_differences():
     assert abs(g["mean"] - 0.05) < 1e-12 and abs(g["stderr"] - 0.05) < 1e-12 and not g["significant"]
     with pytest.raises(ValueError, match="equal-length"):
         paired_gap(gt[:3], gt)
+    g = paired_gap([0.5], [0.2])  # one episode: a gap, but nothing to judge it by
+    assert abs(g["mean"] - 0.3) < 1e-12 and g["stderr"] is None and not g["significant"]
 
 
 def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
