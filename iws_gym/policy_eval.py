@@ -67,7 +67,10 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
     return np.array(out)
 
 
-def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=32, reencode=True,
+LEARNED_BATCH = 32  # episodes per vector env in run_learned
+
+
+def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
                 best_frames: list | None = None, record: list | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
     episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
@@ -89,10 +92,10 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         runners = [_Runner(factory, seed + i) for i in idx]
         best = np.array(info["coverage"], dtype=float)
         keep = best_frames is not None
-        at_best = _pixels(obs).copy() if keep else None
+        at_best = obs["pixels"].copy() if keep else None
         rec = record is not None and b0 == 0
         if rec:
-            record.append(_pixels(obs).copy())
+            record.append(obs["pixels"].copy())
         done = np.zeros(len(idx), bool)
         for _ in range(horizon):
             acts = np.stack([r.act({k: v[j] for k, v in obs.items()}) if not done[j] else np.zeros(2, np.float32)
@@ -100,9 +103,9 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
             obs, rew, term, trunc, info = envs.step(acts)
             better = ~done & (np.asarray(info["coverage"]) > best)
             if keep:
-                at_best[better] = _pixels(obs)[better]
+                at_best[better] = obs["pixels"][better]
             if rec:
-                record.append(np.where(done[:, None, None, None], record[-1], _pixels(obs)))
+                record.append(np.where(done[:, None, None, None], record[-1], obs["pixels"]))
             best = np.where(better, info["coverage"], best)
             done |= term
             if done.all():
@@ -112,10 +115,6 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
             best_frames.extend(at_best)
         envs.close()
     return scores, (time.time() - t0) / n
-
-
-def _pixels(obs) -> np.ndarray:
-    return obs["pixels"] if isinstance(obs, dict) else obs
 
 
 def run_ground_truth(task, factory, states, horizon, seed, record: list | None = None, record_episodes: int = 0):
@@ -175,7 +174,7 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
         raise ValueError(f"--video-episodes must be > 0, got {video_episodes}")
     factory = load_policy_factory(policy)
     states = start_states(task, episodes, seed)
-    k = min(video_episodes, episodes, 32)  # recorded from the first batch of 32
+    k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
     rec_l = [] if video is not None else None
     learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l)
     report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
@@ -246,7 +245,8 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
         frames: list = []
         scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames)
         # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
-        pose = np.array([TPushCoverageScorer(method="pose").coverage(f) for f in frames])
+        scorer = TPushCoverageScorer(method="pose")
+        pose = np.array([scorer.coverage(f) for f in frames])
         return scores, sec, pose
     return (*run_ground_truth(task, factory, states, horizon, seed), None)
 
