@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .checkpoint import load_release, save_release
 from .data import list_episodes, read_episode
+from .hardware import autocast
 
 BC_SEGMENTS = ("push", "push_near_goal")
 OFFSET_SCALE = 64.0  # canvas px: typical |action - agent_pos| of the pusher
@@ -108,7 +109,7 @@ def train_bc(data: str, out: str, steps: int = 4000, batch: int = 128, lr: float
             g["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / steps))
         b = rng.choice(tr_idx, batch)
         x, p, y = _prep(X[b], cfg.size), torch.from_numpy(P[b]), torch.from_numpy(Y[b])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast("cpu"):
             pred = net(x, p)
         loss = F.mse_loss(pred.float(), (y - p) / OFFSET_SCALE)
         opt.zero_grad(set_to_none=True)

@@ -2,8 +2,10 @@
 
 Measures in one run: single-env step latency (p50/p95, FPS; reset separately), native vector-env
 throughput at several batch sizes, gym-pusht's own physics+render throughput at 128x128 (and the
-ratio), FLOPs per step (counted with torch's FlopCounterMode) against a measured bf16 matmul peak, and
-peak RSS plus RSS / latency drift over a long rollout.
+ratio), FLOPs per step (counted with torch's FlopCounterMode) against a measured matmul peak in the
+precision the networks run in (bf16 where the hardware has it natively, else fp32: hardware.py), and
+peak RSS plus RSS / latency drift over a long rollout. The report names the CPU model and its
+native-bf16 flags, so numbers from different machines are not confused.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def peak_matmul_tflops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
-    dtype = torch.bfloat16
+def peak_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 2048, reps: int = 10) -> float:
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
@@ -56,7 +57,7 @@ def gym_pusht_throughput(steps: int) -> float:
 
 
 def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(1, 8, 32, 64),
-          rollout_steps: int = 9000, batch_steps: int = 20, compile: bool = False) -> dict:
+          rollout_steps: int = 9000, batch_steps: int = 20, compile: bool = False, precision: str = "auto") -> dict:
     """compile: torch.compile the dynamics (WorldModel.compile). FLOPs are counted on the eager model
     first; the compile itself happens in the warm-up steps and is reported as compile_s."""
     import gymnasium as gym
@@ -64,7 +65,10 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
 
     import iws_gym  # noqa: F401
 
-    env = gym.make("IWS-TPushing-v0", checkpoint=checkpoint, device=device, max_episode_steps=10**9).unwrapped
+    from .hardware import cpu_info, dtype_name
+
+    env = gym.make("IWS-TPushing-v0", checkpoint=checkpoint, device=device, max_episode_steps=10**9,
+                   precision=precision).unwrapped
     dev = env.wm.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
@@ -89,13 +93,15 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
         sync()
         lat.append(time.perf_counter() - t)
     lat = np.array(lat) * 1000
+    cpu = cpu_info()
     report = dict(device=str(dev), torch=torch.__version__, cpu=platform.processor() or platform.machine(),
+                  cpu_model=cpu["model"], cpu_bf16_flags=cpu["bf16_flags"], precision=dtype_name(env.wm.dtype),
                   threads=torch.get_num_threads(), checkpoint=str(env.wm.path),
                   decoder_steps=env.wm.decoder_steps, dynamics_steps=env.wm.dynamics_steps, compile=compile, compile_s=compile_s,
                   single_env=dict(step_ms_p50=float(np.median(lat)), step_ms_p95=float(np.percentile(lat, 95)),
                                   fps=float(1000 / np.median(lat)), reset_ms=reset_ms))
-    peak = peak_matmul_tflops(dev)
-    report["flops"] = dict(per_step_gflop=flops / 1e9, peak_bf16_matmul_tflops=peak,
+    peak = peak_matmul_tflops(dev, env.wm.dtype)
+    report["flops"] = dict(per_step_gflop=flops / 1e9, peak_matmul_tflops=peak, peak_dtype=dtype_name(env.wm.dtype),
                            achieved_tflops_at_batch1=flops / (np.median(lat) / 1000) / 1e12)
     report["flops"]["fraction_of_peak_at_batch1"] = report["flops"]["achieved_tflops_at_batch1"] / peak
     batched = {}

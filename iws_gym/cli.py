@@ -38,7 +38,8 @@ def cmd_eval_fidelity(a):
 
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
-                      dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode, grid=Path(a.grid) if a.grid else None)
+                      dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode, grid=Path(a.grid) if a.grid else None,
+                      ctx_sigma=a.ctx_sigma)
     _emit(report, a.json, summary_only=True)
 
 
@@ -113,7 +114,8 @@ def cmd_demo(a):
 def cmd_bench(a):
     from .bench import bench
 
-    _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile), a.json)
+    _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile,
+                a.precision), a.json)
 
 
 def cmd_release(a):
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consistency jumps (the env's) or Euler steps of the probability-flow ODE (a diagnostic)")
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
+    ef.add_argument("--ctx-sigma", type=float, default=None,
+                    help="noise level of the context latents at inference (default: the release's, 0.02)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
     ef.add_argument("--grid", default=None, help="PNG of the first 3 episodes' frames, true above predicted, at steps 0-192")
     ef.add_argument("--json", default=None)
@@ -298,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-steps", type=int, default=20)
     b.add_argument("--rollout-steps", type=int, default=9000, help="long rollout for RSS / latency drift")
     b.add_argument("--compile", action="store_true", help="torch.compile the dynamics first (gym.make(..., compile=True))")
+    b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="number format of the networks (auto: bf16 where the hardware has it natively, else fp32)")
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 

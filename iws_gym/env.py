@@ -33,7 +33,9 @@ rendered by gym-pusht's own renderer so one policy can start identically in both
 
 ## Arguments
 `obs_type`, `render_mode` ("rgb_array" | "human"), `observation_width`, `observation_height`,
-`checkpoint` (None: the shipped weights), `device` ("auto": CUDA if present, else CPU, bf16),
+`checkpoint` (None: the shipped weights), `device` ("auto": CUDA if present, else CPU), `precision`
+("auto": bf16 where the device computes in bf16 natively - CUDA, AMX / AVX512-BF16 CPUs - else fp32;
+"bf16" | "fp32" to force one; see hardware.py),
 `scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`, `reencode` (default True: each
 decoded observation is encoded back into the context window; see WorldModel.step), `compile` (default
 False: torch.compile the dynamics network for faster steps after a one-off compile; see
@@ -51,6 +53,7 @@ import torch
 from gymnasium import spaces
 
 from .groundtruth import render_state
+from .hardware import DTYPES
 from .pose import agent_position
 from .scorer import TPushCoverageScorer
 from .tasks import load_task
@@ -82,15 +85,18 @@ def check_frame(frame, size: int) -> np.ndarray:
 
 
 def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
-                world_model, decoder_steps, dynamics_steps, reencode=None, compile=False):
+                world_model, decoder_steps, dynamics_steps, reencode=None, compile=False, precision="auto"):
     """What the single and the vector env share: task, world model, scorer, single-env spaces."""
     from .world_model import WorldModel
 
     if obs_type not in ("pixels_agent_pos", "pixels"):
         raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
+    if precision not in ("auto", *DTYPES):
+        raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
     env.task = load_task(task)
     env.wm = world_model or WorldModel.from_pretrained(checkpoint or env.task.checkpoint_path, device=device,
-                                                       stages=("stage1", "stage2"))
+                                                       stages=("stage1", "stage2"),
+                                                       dtype=DTYPES.get(precision))
     if decoder_steps:
         env.wm.decoder_steps = decoder_steps
     if dynamics_steps:
@@ -146,13 +152,13 @@ class WorldSimEnv(gym.Env):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None,
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
                  dynamics_steps: int | None = None, task: str = "tpushing", world_model=None,
-                 reencode: bool | None = None, compile: bool = False):
+                 reencode: bool | None = None, compile: bool = False, precision: str = "auto"):
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
         self.render_mode = render_mode
         self.action_space, self.observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode, compile)
+            decoder_steps, dynamics_steps, reencode, compile, precision)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None

@@ -96,7 +96,7 @@ def _copy_first(ep, horizon):
 def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
              behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None,
              dynamics_steps: int | None = None, reencode: bool = True, grid: Path | None = None,
-             grid_episodes: int = 3, dynamics_sampler: str = "consistency") -> dict:
+             grid_episodes: int = 3, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None) -> dict:
     """The fidelity report: per-step and summary metrics for the model and both baselines.
 
     grid: a PNG of the first `grid_episodes` episodes, the true frames above the model's, at
@@ -114,7 +114,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
         from .world_model import load_predictor
 
         model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps, dynamics_steps=dynamics_steps,
-                                             reencode=reencode, dynamics_sampler=dynamics_sampler)
+                                             reencode=reencode, dynamics_sampler=dynamics_sampler, ctx_sigma=ctx_sigma)
         predictors["model"] = predict
     per = {name: {} for name in predictors}
     timings = {name: 0.0 for name in predictors}
@@ -133,6 +133,8 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
                   checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
                   decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, dynamics_sampler=dynamics_sampler, reencode=reencode,
+                  precision=getattr(predictors.get("model"), "precision", None),
+                  ctx_sigma=getattr(predictors.get("model"), "ctx_sigma", None),
                   heldout_seeds=[task.heldout_seed_base, task.heldout_seed_base + episodes - 1],
                   not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
                   per_step={}, summary={}, wall_s=None)
@@ -337,6 +339,7 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
     from .data import InMemoryEpisodes
     from .decoder import Stage1, Stage1Config
     from .dynamics import DynamicsConfig, Stage2
+    from .hardware import autocast
     from .stages import LatentEpisodes, block_moves, latent_cache, load_stage, moving_transitions
 
     if min(train_episodes, heldout, steps, windows, dynamics_steps) <= 0:
@@ -362,7 +365,7 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
         out = dict(block_moving_share=round(len(hard) / sum(len(a) for a in eps.actions), 4))
         for kind, focus in (("all", 0.0), ("block_moving", 1.0)):
             ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(seed), windows, K, 0, focus=focus)
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.inference_mode(), autocast("cpu"):
                 pred, pred2 = (model.predict(ctx, act, nv, steps=dynamics_steps, sampler=dynamics_sampler,
                                              generator=torch.Generator().manual_seed(s)).float() for s in (seed, seed + 1))
             out[kind] = metrics.latent_change_stats(ctx[:, -1], pred, pred2, tgt[:, 0])

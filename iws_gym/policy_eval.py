@@ -70,6 +70,13 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
 LEARNED_BATCH = 32  # episodes per vector env in run_learned
 
 
+def _precision(device: str) -> str:
+    """The number format the learned env's networks run in on `device` (see hardware.default_dtype)."""
+    from .hardware import default_dtype, dtype_name, resolve_device
+
+    return dtype_name(default_dtype(resolve_device(device)))
+
+
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
                 best_frames: list | None = None, record: list | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
@@ -177,7 +184,7 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
     k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
     rec_l = [] if video is not None else None
     learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l)
-    report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
+    report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed, precision=_precision(device),
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
                   learned=dict(**_summary(learned), seconds_per_episode=t_l, scores=learned.tolist()))
     rec_g = [] if video is not None and ground_truth else None
@@ -316,6 +323,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
                               mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
+                  precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),
                   score="max coverage over the episode (Push-T); success = max coverage > 0.95",
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],

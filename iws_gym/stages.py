@@ -11,6 +11,7 @@ from . import metrics
 from .checkpoint import save_release
 from .collect import git_commit, heldout_episodes
 from .data import InMemoryEpisodes, load_meta
+from .hardware import autocast
 from .tasks import load_task
 
 
@@ -117,7 +118,7 @@ class LatentEpisodes:
         for fr in tqdm(episodes.frames, desc="encoding latents", unit="ep"):
             zs = []
             for i in range(0, len(fr), batch):
-                with torch.inference_mode(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
+                with torch.inference_mode(), autocast(device, amp):
                     z = encoder(frames_to_tensor(fr[i : i + batch], device))
                 zs.append(z.float().half().cpu())
             self.latents.append(torch.cat(zs))
@@ -385,7 +386,7 @@ class Stage3Stage(StageBase):
         ctx = torch.stack(ctx).float().to(self.device)
         act = torch.from_numpy(np.stack(act)).to(self.device)
         nv = torch.tensor(nv, device=self.device)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.a.amp):
+        with torch.no_grad(), autocast(self.device, self.a.amp):
             *_, preds = Stage2Stage.open_loop(self.stage2, ctx, act, nv, depth)  # the frozen dynamics, open loop
         return frames_to_tensor(np.stack(tgt), self.device), preds[:, -1]
 

@@ -1,6 +1,6 @@
 """One training loop for every stage, chosen by name.
 
-    # single process (CPU uses bf16 autocast + channels_last; CUDA the same code, bf16 autocast)
+    # single process (bf16 autocast where the CPU/GPU has native bf16, else fp32; channels_last convs)
     iws train stage1 --data data/tpushing --out runs/stage1
     # several processes / GPUs: the same loop under DDP (gloo on CPU, NCCL on CUDA)
     torchrun --nproc_per_node=2 -m iws_gym.train stage1 --data data/tpushing --out runs/stage1
@@ -13,7 +13,6 @@ and an export to a released safetensors file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_torch_save, config_to_dict
+from .hardware import autocast, default_dtype, dtype_name, resolve_device
 
 
 @dataclass
@@ -48,7 +48,8 @@ class TrainArgs:
     max_episodes: int | None = None   # load only the first N episodes (quick runs)
     max_minutes: float | None = None  # stop (after a checkpoint) once this much wall time is spent
     device: str = "auto"
-    amp: bool = True                  # bf16 autocast (CPU AMX or CUDA)
+    amp: bool = True                  # bf16 autocast where the hardware runs bf16 natively (AMX / AVX512-BF16
+                                      #   CPUs, CUDA); fp32 elsewhere, where bf16 is emulated and slower (hardware.py)
     crop: int = 0                     # stage 1: train on random aligned crops of this size (0: full frames)
     preset: str = "default"           # model size preset of the stage: default | tiny (tests)
     init: str | None = None           # stage 2/3: path of the stage-1 (and stage-2) release they build on
@@ -82,12 +83,6 @@ def parse_args(argv, defaults: TrainArgs) -> TrainArgs:
     return TrainArgs(**vars(p.parse_args(argv)))
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def update_ema(target: torch.nn.Module, source: torch.nn.Module, rate: float) -> None:
     with torch.no_grad():
         for t, s in zip(target.parameters(), source.parameters()):
@@ -111,7 +106,7 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
 
     # ---- DDP, inline (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK)
     ddp = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = pick_device(a.device)
+    device = resolve_device(a.device)
     if ddp:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
@@ -156,7 +151,7 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
         if master:
             print(f"resumed {ckpt} at step {step}", file=sys.stderr)
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if a.amp else contextlib.nullcontext()
+    amp = autocast(device, a.amp)  # bf16 only where the hardware has it natively (hardware.py), else fp32
     writer = SummaryWriter(str(out / "tb")) if master else None
 
     def save():
@@ -216,7 +211,8 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
         wall = wall_before + time.time() - t0
         result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early,
                       command=" ".join(["iws", "train", stage_name, *map(str, argv or [])]),
-                      args=vars(a), world_size=world, device=str(device))
+                      args=vars(a), world_size=world, device=str(device),
+                      precision=dtype_name(default_dtype(device)) if a.amp else "fp32")
         stage.export(ema, out, result)
         (out / "train_result.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))

@@ -4,11 +4,13 @@
     z = wm.encode(frames_uint8)                             # (B, H, W, 3) uint8 -> (B, C, h, w)
     frames = wm.decode(z, steps=1)                          # -> (B, H, W, 3) uint8
 
-Device "auto" picks CUDA when present, else the CPU; both run the networks in bf16 (AMX on CPUs that
-have it) with channels_last, and keep the consistency parameterisation in fp32.
+Device "auto" picks CUDA when present, else the CPU. The networks run in bf16 where the hardware computes
+in it natively (CUDA, AMX / AVX512-BF16 CPUs) and in fp32 elsewhere (`hardware.default_dtype`; emulated
+bf16 is several times slower than fp32), with channels_last; the consistency parameterisation stays fp32.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,21 +18,17 @@ import torch
 
 from .checkpoint import load_release, load_state_checked
 from .decoder import Stage1, Stage1Config, decode
+from .hardware import default_dtype, dtype_name, resolve_device
 from .stages import frames_to_tensor, tensor_to_frames
 
 STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors", "stage3": "stage3.safetensors"}
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 class WorldModel:
     def __init__(self, stage1: Stage1, device: torch.device, path: Path | None = None, meta: dict | None = None,
-                 dtype=torch.bfloat16, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1,
+                 dtype: torch.dtype | None = None, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1,
                  reencode: bool = True):
+        dtype = dtype or default_dtype(device)  # bf16 where the hardware has it natively, else fp32
         self.device, self.path, self.meta, self.dtype = device, path, meta or {}, dtype
         self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
         self.stage2 = stage2.to(device).eval().requires_grad_(False).to(dtype) if stage2 is not None else None
@@ -49,7 +47,7 @@ class WorldModel:
         return self
 
     @classmethod
-    def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype=torch.bfloat16) -> "WorldModel":
+    def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype: torch.dtype | None = None) -> "WorldModel":
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -176,7 +174,7 @@ class WorldModel:
 
 
 def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,
-                   reencode: bool = True, dynamics_sampler: str = "consistency"):
+                   reencode: bool = True, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
@@ -187,14 +185,20 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
         wm.dynamics_steps = dynamics_steps or wm.dynamics_steps
         wm.reencode = reencode
         wm.dynamics_sampler = dynamics_sampler
+        if ctx_sigma is not None:  # the context's inference noise level (the release's config holds the default)
+            if not 0.0 <= ctx_sigma <= wm.stage2.cfg.ctx_sigma_max:
+                raise ValueError(f"--ctx-sigma must be in [0, {wm.stage2.cfg.ctx_sigma_max}] (the training range), got {ctx_sigma}")
+            wm.stage2.cfg = dataclasses.replace(wm.stage2.cfg, ctx_sigma=ctx_sigma)
 
         def roll(ep, horizon):
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)
 
+        roll.precision, roll.ctx_sigma = dtype_name(wm.dtype), wm.stage2.cfg.ctx_sigma
         return "open_loop_rollout", roll
     wm = WorldModel.from_pretrained(checkpoint)
 
     def autoencode(ep, horizon):
         return wm.reconstruct(ep["frames"][: horizon + 1], steps=decoder_steps, seed=0)
 
+    autoencode.precision = dtype_name(wm.dtype)
     return "stage1_autoencoder_ceiling", autoencode

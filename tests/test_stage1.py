@@ -17,6 +17,8 @@ from .conftest import ROOT, run_iws
 def test_training_writes_release_with_config(tiny_stage1):
     result = json.loads((tiny_stage1 / "train_result.json").read_text())
     assert result["step"] == 12 and "psnr_1step" in result["eval"]
+    from iws_gym.hardware import default_dtype, dtype_name
+    assert result["precision"] == dtype_name(default_dtype("cpu"))  # what the loop trained in, by the hardware rule
     cfg, sd, meta = load_release(tiny_stage1 / "stage1.safetensors", "stage1", Stage1Config)
     assert cfg.decoder.ch == 16 and meta["data_seed"] == 7 and meta["step"] == 12 and "commit" in meta
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())

@@ -84,9 +84,17 @@ def test_train_stage2_and_roll_out(tiny_dataset, tiny_stage1, tmp_path):
     np.testing.assert_array_equal(roll, wm.rollout(frames, actions, seed=3))  # same seed, same frames
     rep = tmp_path / "fid.json"
     run_iws("eval", "fidelity", "--checkpoint", ck, "--horizon", 3, "--episodes", 1, "--json", rep,
-            "--dynamics-sampler", "euler", "--dynamics-steps", 3)
+            "--dynamics-sampler", "euler", "--dynamics-steps", 3, "--ctx-sigma", 0.05)
     r = json.loads(rep.read_text())
     assert r["model_kind"] == "open_loop_rollout" and r["dynamics_sampler"] == "euler" and r["dynamics_steps"] == 3
+    assert r["ctx_sigma"] == 0.05 and r["precision"] in ("bf16", "fp32")
+    # the context noise level changes the rollout; out of the trained range it is refused, naming the flag
+    from iws_gym.world_model import load_predictor
+    ep = dict(frames=frames[None], actions=actions)
+    rolls = [load_predictor(ck, ctx_sigma=s)[1](ep, 5) for s in (0.0, 0.1)]
+    assert np.abs(rolls[0].astype(int) - rolls[1].astype(int)).sum() > 0
+    proc = run_iws("eval", "fidelity", "--checkpoint", ck, "--horizon", 2, "--episodes", 1, "--ctx-sigma", 0.5, check=False)
+    assert proc.returncode == 2 and "--ctx-sigma" in proc.stderr
 
 
 def test_stage2_needs_a_stage1(tiny_dataset, tmp_path):
