@@ -103,7 +103,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     wm.reencode = reencode
     real = [ep for ep in heldout_episodes(task, 8, 50, offset=6000)]
     envelope = calibrate(np.concatenate([ep["frames"][::5] for ep in real]))
+    from .hardware import dtype_name
+
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
+                  precision=dtype_name(wm.dtype),
                   validity="agent and block detectable; agent area, block area, T-fit residual, mean colour and "
                            "off-palette share inside the envelope of real frames (widened by 25% of its span)",
                   envelope=envelope, rollouts={})
