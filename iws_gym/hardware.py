@@ -74,9 +74,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
 
 
+def compute_dtype(device: str | torch.device, amp: bool = True) -> torch.dtype:
+    """What mixed precision (`amp`) computes in on `device`: default_dtype(device), or fp32 without amp."""
+    return default_dtype(device) if amp else torch.float32
+
+
 def autocast(device: str | torch.device, enabled: bool = True):
-    """bf16 autocast when enabled and default_dtype(device) is bf16; otherwise a no-op context."""
+    """bf16 autocast when compute_dtype(device, enabled) is bf16; otherwise a no-op context."""
     device = resolve_device(device)
-    if enabled and default_dtype(device) == torch.bfloat16:
+    if compute_dtype(device, enabled) == torch.bfloat16:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()

@@ -72,9 +72,9 @@ LEARNED_BATCH = 32  # episodes per vector env in run_learned
 
 def _precision(device: str) -> str:
     """The number format the learned env's networks run in on `device` (see hardware.default_dtype)."""
-    from .hardware import default_dtype, dtype_name, resolve_device
+    from .hardware import default_dtype, dtype_name
 
-    return dtype_name(default_dtype(resolve_device(device)))
+    return dtype_name(default_dtype(device))
 
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,

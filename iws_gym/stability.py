@@ -95,6 +95,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
               reencode: bool = True) -> dict:
     from tqdm import tqdm
 
+    from .hardware import dtype_name
     from .world_model import WorldModel
 
     if steps <= 0 or check_every <= 0:
@@ -103,8 +104,6 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     wm.reencode = reencode
     real = [ep for ep in heldout_episodes(task, 8, 50, offset=6000)]
     envelope = calibrate(np.concatenate([ep["frames"][::5] for ep in real]))
-    from .hardware import dtype_name
-
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
                   precision=dtype_name(wm.dtype),
                   validity="agent and block detectable; agent area, block area, T-fit residual, mean colour and "

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_torch_save, config_to_dict
-from .hardware import autocast, default_dtype, dtype_name, resolve_device
+from .hardware import autocast, compute_dtype, dtype_name, resolve_device
 
 
 @dataclass
@@ -212,7 +212,7 @@ def run(stage_name: str, a: TrainArgs, argv=None) -> dict:
         result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early,
                       command=" ".join(["iws", "train", stage_name, *map(str, argv or [])]),
                       args=vars(a), world_size=world, device=str(device),
-                      precision=dtype_name(default_dtype(device)) if a.amp else "fp32")
+                      precision=dtype_name(compute_dtype(device, a.amp)))
         stage.export(ema, out, result)
         (out / "train_result.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
