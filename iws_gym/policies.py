@@ -103,6 +103,10 @@ def bc_policy(step: int):
     return make
 
 
+# the shipped behaviour-cloning policies by name, for `iws eval policy --policy iws_gym.policies:bc_step4000`
+bc_step300, bc_step1000, bc_step4000 = bc_policy(300), bc_policy(1000), bc_policy(4000)
+
+
 def suite() -> dict:
     """The policy suite of `iws eval correlate`, graded from doing nothing to the competent pusher.
     name -> factory (called once per episode)."""
@@ -114,7 +118,7 @@ def suite() -> dict:
         "noisy_pusher_1.5": lambda: FramePusher(noise=1.5),
         "jittery_pusher_p0.2": lambda: JitteryPusher(p=0.2),
         "pusher": lambda: FramePusher(noise=0.0),
-        "bc_step300": bc_policy(300),
-        "bc_step1000": bc_policy(1000),
-        "bc_step4000": bc_policy(4000),
+        "bc_step300": bc_step300,
+        "bc_step1000": bc_step1000,
+        "bc_step4000": bc_step4000,
     }

@@ -121,6 +121,16 @@ def test_suite_policies_act_in_the_ground_truth():
         assert a.shape == (2,) and np.all((a >= 0) & (a <= 512)), name
 
 
+def test_shipped_bc_policies_load_by_name():
+    from iws_gym.bc import BCPolicy
+    from iws_gym.policy_eval import load_policy_factory
+    from iws_gym.policies import suite
+
+    factory = load_policy_factory("iws_gym.policies:bc_step4000")
+    assert factory is suite()["bc_step4000"]  # the suite's member, not a copy
+    assert isinstance(factory(), BCPolicy)
+
+
 def test_correlate_command(tiny_checkpoint, tmp_path):
     out = tmp_path / "corr.json"
     run_iws("eval", "correlate", "--checkpoint", tiny_checkpoint, "--episodes", 2, "--horizon", 3,
