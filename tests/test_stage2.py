@@ -97,9 +97,14 @@ def test_train_stage2_and_roll_out(tiny_dataset, tiny_stage1, tmp_path):
     ctx = torch.randn(1, c.context, c.latent_ch, c.latent_size, c.latent_size, generator=torch.Generator().manual_seed(0))
     act, nv = torch.full((1, c.context, 2), 256.0), torch.tensor([c.context])
     seen, denoise = {}, s2.denoise
+
+    def spy(x_t, sigma, ctx_in, ctx_sigma, *rest):  # records the context and level the network is given
+        seen.setdefault(s2.cfg.ctx_sigma, (ctx_in, ctx_sigma))
+        return denoise(x_t, sigma, ctx_in, ctx_sigma, *rest)
+
+    s2.denoise = spy
     for s in (0.0, 0.1):
         s2.cfg = dataclasses.replace(c, ctx_sigma=s)
-        s2.denoise = lambda x_t, sig, ctx_in, ctx_sigma, *a, _s=s: (seen.setdefault(_s, (ctx_in, ctx_sigma)), denoise(x_t, sig, ctx_in, ctx_sigma, *a))[1]
         s2.predict(ctx, act, nv, generator=torch.Generator().manual_seed(1))
     (ctx0, lvl0), (ctx1, lvl1) = seen[0.0], seen[0.1]
     assert torch.allclose(ctx0, s2.norm(ctx)) and lvl0.tolist() == [0.0] and lvl1.tolist() == pytest.approx([0.1])
