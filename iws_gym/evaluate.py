@@ -19,7 +19,7 @@ import numpy as np
 
 from . import metrics
 from .collect import heldout_episodes
-from .groundtruth import make_env, wrap_angle
+from .groundtruth import render_states, wrap_angle
 from .pose import estimate, pose_errors
 from .tasks import TaskConfig
 
@@ -60,18 +60,8 @@ def validate_pose_estimator(task: TaskConfig, episodes: int = 20, steps: int = 1
 
 
 def rerender_states(agent_pos: np.ndarray, block_pose: np.ndarray, frame_size: int) -> np.ndarray:
-    """Render true states exactly (angle set before position, unlike reset_to_state's legacy order)."""
-    env = make_env(frame_size)
-    env.reset(seed=0)
-    out = []
-    for a, b in zip(agent_pos, block_pose):
-        env.agent.position = (float(a[0]), float(a[1]))
-        env.block.angle = float(b[2])
-        env.block.position = (float(b[0]), float(b[1]))
-        for body in (env.agent, env.block):  # refresh the shapes' cached world vertices without stepping physics
-            env.space.reindex_shapes_for_body(body)
-        out.append(env._render())
-    return np.stack(out)
+    """Render true states exactly with gym-pusht's renderer (groundtruth.render_states)."""
+    return render_states(agent_pos, block_pose, frame_size)
 
 
 def frame_metrics(pred: np.ndarray, ep: dict) -> dict:

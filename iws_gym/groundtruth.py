@@ -69,3 +69,27 @@ def render_state(state, frame_size: int = 128, env=None) -> np.ndarray:
     env = env or make_env(frame_size)
     obs, _ = env.reset(options={"reset_to_state": np.asarray(state, dtype=np.float64)})
     return obs["pixels"]
+
+
+OFF_CANVAS = (-1000.0, -1000.0)  # an agent position far off the canvas: a frame rendered without the agent
+
+
+def render_states(agent_pos: np.ndarray, block_pose: np.ndarray, frame_size: int = 128, env=None) -> np.ndarray:
+    """Render true states exactly (angle set before position, unlike reset_to_state's legacy order):
+    agent_pos (T, 2), block_pose (T, 3) -> (T, H, W, 3) uint8. An agent at OFF_CANVAS is not drawn."""
+    env = env or make_env(frame_size)
+    env.reset(seed=0)
+    out = []
+    for a, b in zip(agent_pos, block_pose):
+        env.agent.position = (float(a[0]), float(a[1]))
+        env.block.angle = float(b[2])
+        env.block.position = (float(b[0]), float(b[1]))
+        for body in (env.agent, env.block):  # refresh the shapes' cached world vertices without stepping physics
+            env.space.reindex_shapes_for_body(body)
+        out.append(env._render())
+    return np.stack(out)
+
+
+def render_without_agent(block_pose: np.ndarray, frame_size: int = 128, env=None) -> np.ndarray:
+    """The frames of an episode's block poses (T, 3) with the agent left out: (T, H, W, 3) uint8."""
+    return render_states(np.tile(np.asarray(OFF_CANVAS), (len(block_pose), 1)), block_pose, frame_size, env)

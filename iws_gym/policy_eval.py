@@ -236,6 +236,32 @@ def spearman(x, y) -> float:
     return pearson(_ranks(np.asarray(x, float)), _ranks(np.asarray(y, float)))
 
 
+def suite_bootstrap(learned: np.ndarray, gt: np.ndarray, n: int = 2000, seed: int = 0) -> dict:
+    """How much the suite-level figures depend on which starts were drawn: learned and gt are (P, E)
+    scores of P policies from the same E starts; resample the starts with replacement (one draw for all
+    policies and both worlds, which keeps the pairing) and recompute Pearson r, Spearman rho and the
+    mean |gap| of the policy means. Returns each figure's 5th / 50th / 95th percentile and the share of
+    resamples in which the issue's target holds."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 2 or gt.shape[1] < 2:
+        raise ValueError(f"suite_bootstrap needs two equal (policies, episodes) score arrays with >= 2 episodes, "
+                         f"got {learned.shape} and {gt.shape}")
+    rng = np.random.default_rng(seed)
+    out = {"pearson_r": [], "spearman_rho": [], "mean_abs_gap": []}
+    for _ in range(n):
+        idx = rng.integers(0, gt.shape[1], gt.shape[1])
+        L, G = learned[:, idx].mean(1), gt[:, idx].mean(1)
+        out["pearson_r"].append(pearson(L, G))
+        out["spearman_rho"].append(spearman(L, G))
+        out["mean_abs_gap"].append(float(np.abs(L - G).mean()))
+    res = {k: [float(q) for q in np.nanpercentile(v, [5, 50, 95])] for k, v in out.items()}
+    res.update(resamples=n, seed=seed,
+               share_pearson_ge_0_95=float(np.mean(np.asarray(out["pearson_r"]) >= 0.95)),
+               share_spearman_ge_0_9=float(np.mean(np.asarray(out["spearman_rho"]) >= 0.9)),
+               share_mean_abs_gap_le_0_05=float(np.mean(np.asarray(out["mean_abs_gap"]) <= 0.05)))
+    return res
+
+
 def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
                reencode: bool = True, threads: int | None = None):
     """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
@@ -322,6 +348,9 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                    seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
     overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
                               mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
+    if episodes >= 2:  # the same figures over resampled starts: how firmly each target is met or missed
+        overall["bootstrap_over_starts"] = suite_bootstrap([p["scores_learned"] for p in per.values()],
+                                                           [p["scores_ground_truth"] for p in per.values()])
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
                   precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),

@@ -4,13 +4,17 @@ and see what it does with the edit.
 Edits of a held-out start frame (none of them ever appears in the training data):
 * `goal_shifted`: the green goal T erased and redrawn 96 px to the right, rotated by 45 degrees;
 * `block_recoloured`: the T block painted orange;
-* `distractor`: a red 14x14 px square pasted in an empty corner of the table.
+* `distractor`: a red 14x14 px square pasted in an empty corner of the table;
+* `agent_removed`: the same start rendered without the agent (an exact render of its block pose), the
+  state a rollout is in after it has faded the agent out: does the env put the agent back?
 Each edited start and the unedited one are rolled out with the same actions (those of held-out
 scripted play from the unedited start), and the report measures, at several steps:
 * `edit_kept`: how much of the edit is still in the frame (share of goal-green pixels in the new goal
-  region, orange share of the block's pixels, red share of the pasted square), 1 = fully kept;
+  region, orange share of the block's pixels, red share of the pasted square; median over episodes),
+  1 = fully kept; for agent_removed, the share of episodes whose frame still has no agent;
 * `block_px_vs_unedited`: how far the block (pose estimator) drifts from the unedited rollout's block,
-  i.e. whether the edit changes the predicted physics (it should not);
+  i.e. whether the edit changes the predicted physics (it should not), and `agent_px_vs_unedited` the
+  same for the agent;
 * the scorer's coverage on the edited frames.
 A frame grid shows the rollouts side by side. The report describes; it does not judge.
 """
@@ -22,8 +26,8 @@ import numpy as np
 import torch
 
 from .collect import collect_episode
-from .groundtruth import GOAL_POSE
-from .pose import block_fraction, estimate, render_t
+from .groundtruth import GOAL_POSE, render_without_agent
+from .pose import agent_position, block_fraction, estimate, render_t
 from .scorer import TPushCoverageScorer
 from .tasks import TaskConfig
 
@@ -44,8 +48,13 @@ def _free(frame: np.ndarray) -> np.ndarray:
     return np.clip(1 - a, 0, 1) * (valid > 0)
 
 
-def edit_frame(frame: np.ndarray, kind: str):
-    """-> (edited frame, region mask (H, W) where the edit is measured, target colour)."""
+def edit_frame(frame: np.ndarray, kind: str, block_pose=None):
+    """-> (edited frame, region mask (H, W) where the edit is measured, target colour).
+    agent_removed needs the frame's true block pose (x, y, angle) and returns no region or colour."""
+    if kind == "agent_removed":
+        if block_pose is None:
+            raise ValueError("the agent_removed edit needs the frame's block_pose (x, y, angle)")
+        return render_without_agent(np.asarray(block_pose, np.float64)[None], frame.shape[0])[0], None, None
     f = frame.astype(np.float32)
     free = _free(frame)[..., None]
     if kind == "goal_shifted":
@@ -73,7 +82,7 @@ def edit_frame(frame: np.ndarray, kind: str):
         region = np.zeros(frame.shape[:2], bool)
         region[y : y + 14, x : x + 14] = True
         return f.astype(np.uint8), region, RED
-    raise ValueError(f"unknown edit {kind!r}; choose goal_shifted, block_recoloured or distractor")
+    raise ValueError(f"unknown edit {kind!r}; choose from {', '.join(EDITS)}")
 
 
 def colour_share(frame: np.ndarray, region: np.ndarray, colour: np.ndarray, tol: float = 60.0) -> float:
@@ -83,7 +92,7 @@ def colour_share(frame: np.ndarray, region: np.ndarray, colour: np.ndarray, tol:
     return float((d < tol).mean())
 
 
-EDITS = ("goal_shifted", "block_recoloured", "distractor")
+EDITS = ("goal_shifted", "block_recoloured", "distractor", "agent_removed")
 
 
 def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, episodes: int = 4, grid: Path | None = None,
@@ -99,7 +108,7 @@ def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, epis
     scorer = TPushCoverageScorer(frame_size=task.frame_size)
     at = sorted({s for s in (1, 10, 30, steps) if s <= steps})
     res = {k: dict(edit_kept={t: [] for t in [0] + at}, block_px_vs_unedited={t: [] for t in at},
-                   coverage={t: [] for t in [0] + at}) for k in EDITS}
+                   agent_px_vs_unedited={t: [] for t in at}, coverage={t: [] for t in [0] + at}) for k in EDITS}
     base_cov = {t: [] for t in [0] + at}
     rows = []
     for e in tqdm(range(episodes), desc="probe"):
@@ -112,11 +121,13 @@ def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, epis
         if e == 0:
             rows.append(base[[0] + at])
         for kind in EDITS:
-            edited, region, colour = edit_frame(frame0, kind)
+            edited, region, colour = edit_frame(frame0, kind, block_pose=ep["block_pose"][0])
             roll = wm.rollout(edited, acts, seed=e)
             r = res[kind]
             for t in [0] + at:
-                if kind == "block_recoloured":  # the block moves: measure on its current pixels
+                if kind == "agent_removed":  # kept = the agent is still missing
+                    r["edit_kept"][t].append(float(agent_position(roll[t]) is None))
+                elif kind == "block_recoloured":  # the block moves: measure on its current pixels
                     est = estimate(base[t]) if t else None
                     reg = region if t == 0 else (_mask(est.block) > 0.9 if est.block is not None else region)
                     r["edit_kept"][t].append(colour_share(roll[t], reg, colour))
@@ -127,15 +138,21 @@ def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, epis
                     be, ee = base_est[t], estimate(roll[t])
                     d = np.linalg.norm(be.block[:2] - ee.block[:2]) if be.block is not None and ee.block is not None else np.nan
                     r["block_px_vs_unedited"][t].append(float(d))
+                    d = np.linalg.norm(be.agent - ee.agent) if be.agent is not None and ee.agent is not None else np.nan
+                    r["agent_px_vs_unedited"][t].append(float(d))
             if e == 0:
                 rows.append(roll[[0] + at])
 
     def med(d):
         return {str(t): (float(np.nanmedian(v)) if len(v) and not np.all(np.isnan(v)) else None) for t, v in d.items()}
 
+    def mean(d):  # agent_removed's edit_kept is 0/1 per episode: its share, not its median
+        return {str(t): float(np.mean(v)) if len(v) else None for t, v in d.items()}
+
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, episodes=episodes, at_steps=at,
                   unedited_coverage=med(base_cov),
-                  edits={k: {m: med(v) for m, v in r.items()} for k, r in res.items()})
+                  edits={k: {m: (mean(v) if (k, m) == ("agent_removed", "edit_kept") else med(v)) for m, v in r.items()}
+                         for k, r in res.items()})
     if grid is not None:
         save_grid(rows, Path(grid), scale=2)
         report["grid"] = str(grid)

@@ -63,6 +63,8 @@ class TrainArgs:
                                       #   (more capacity without losing what the release learned)
     one_step_loss: str = "mse"        # stage 2: the one-step jump's loss: mse (conditional mean) | energy
                                       #   (energy score of two draws: one step samples; see dynamics.energy_score)
+    drop_agent: float = 0.0           # stage 2: share of windows whose last context frames lose the agent (target
+                                      #   keeps it), so a rollout that faded it draws it again; see sample_rollout
     hires_ch: int = 0                 # stage 2: add a full-resolution refinement head of this width (HiResHead);
                                       #   with --finetune it starts at zero, so the release's function is kept
 

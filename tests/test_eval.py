@@ -16,6 +16,19 @@ def test_rerender_reproduces_ground_truth():
     assert np.all(m["psnr"] > 40) and np.all(m["ssim"] > 0.99)
 
 
+def test_render_without_agent_changes_only_the_agent():
+    from iws_gym.groundtruth import render_without_agent
+    from iws_gym.pose import agent_position
+
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 6))
+    frames = render_without_agent(ep["block_pose"], 128)
+    assert all(agent_position(f) is None for f in frames) and all(agent_position(f) is not None for f in ep["frames"])
+    changed = np.abs(frames.astype(int) - ep["frames"]).sum(-1) > 0  # (T, H, W)
+    yy, xx = np.mgrid[:128, :128] * 4 + 2  # pixel centres in the 512 canvas
+    d2 = (xx[None] - ep["agent_pos"][:, 0, None, None]) ** 2 + (yy[None] - ep["agent_pos"][:, 1, None, None]) ** 2
+    assert changed.any() and not (changed & (d2 > 23**2)).any()  # nothing changes beyond the agent's disc
+
+
 def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
     out = tmp_path / "fid.json"
     run_iws("eval", "fidelity", "--checkpoint", tiny_stage1, "--horizon", 4, "--episodes", 1, "--json", out,

@@ -94,6 +94,23 @@ def test_paired_gap_uses_the_per_start_differences():
     assert abs(g["mean"] - 0.3) < 1e-12 and g["stderr"] is None and not g["significant"]
 
 
+def test_suite_bootstrap_resamples_starts_for_all_policies_at_once():
+    from iws_gym.policy_eval import suite_bootstrap
+
+    rng = np.random.default_rng(0)
+    gt = rng.random((6, 12)) * np.linspace(0.1, 1.0, 6)[:, None]  # six policies of graded quality
+    b = suite_bootstrap(gt + 0.02, gt, n=200)  # a world that adds 0.02 to every episode
+    assert b["pearson_r"] == pytest.approx([1.0, 1.0, 1.0]) and b["share_spearman_ge_0_9"] == 1.0
+    assert b["mean_abs_gap"] == pytest.approx([0.02] * 3) and b["share_mean_abs_gap_le_0_05"] == 1.0
+    # per-episode noise in the learned world: the figures spread, and the same seed gives the same spread
+    noisy = gt + rng.normal(0, 0.3, gt.shape)
+    b1, b2 = suite_bootstrap(noisy, gt, n=200, seed=1), suite_bootstrap(noisy, gt, n=200, seed=1)
+    assert b1 == b2 and b1["pearson_r"][0] < b1["pearson_r"][1] < b1["pearson_r"][2] <= 1.0
+    assert 0.0 < b1["share_pearson_ge_0_95"] < 1.0 or b1["pearson_r"][2] < 0.95
+    with pytest.raises(ValueError, match="policies, episodes"):
+        suite_bootstrap(gt[:, :5], gt)
+
+
 def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
     from iws_gym.policies import suite
     from iws_gym.policy_eval import run_learned, start_states
@@ -139,7 +156,7 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
     assert set(r["per_policy"]) == {"idle", "random", "bc_step300"}
     for p in r["per_policy"].values():
         assert len(p["scores_learned"]) == 2 and len(p["scores_ground_truth"]) == 2
-    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap", "pose_scorer_mean_abs_diff"} <= set(r["overall"])
+    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap", "pose_scorer_mean_abs_diff", "bootstrap_over_starts"} <= set(r["overall"])
     for p in r["per_policy"].values():
         assert len(p["scores_learned_pose"]) == 2 and all(0 <= c <= 1 for c in p["scores_learned_pose"])
         assert p["gap_stderr"] >= 0 and isinstance(p["gap_significant"], bool)
@@ -165,12 +182,23 @@ def test_probe_edits_and_command(tiny_checkpoint, tmp_path):
     from iws_gym.probe import EDITS, colour_share, edit_frame
     from iws_gym.tasks import load_task
 
-    frame = next(heldout_episodes(load_task("tpushing"), 1, 1, offset=42))["frames"][0]
+    from iws_gym.pose import agent_position, estimate
+
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 1, offset=42))
+    frame = ep["frames"][0]
     for kind in EDITS:
+        if kind == "agent_removed":
+            continue
         edited, region, colour = edit_frame(frame, kind)
         assert edited.shape == frame.shape and edited.dtype == np.uint8 and region.any()
         assert colour_share(edited, region, colour) > 0.9 > colour_share(frame, region, colour)
+    with pytest.raises(ValueError, match="block_pose"):
+        edit_frame(frame, "agent_removed")
+    edited, _, _ = edit_frame(frame, "agent_removed", block_pose=ep["block_pose"][0])
+    assert agent_position(frame) is not None and agent_position(edited) is None  # the agent is gone ...
+    assert np.abs(estimate(edited).block[:2] - estimate(frame).block[:2]).max() < 1.0  # ... the block stays
     out = tmp_path / "probe.json"
     run_iws("eval", "probe", "--checkpoint", tiny_checkpoint, "--steps", 2, "--episodes", 1, "--grid", tmp_path / "p.png", "--json", out)
     r = json.loads(out.read_text())
     assert set(r["edits"]) == set(EDITS) and (tmp_path / "p.png").stat().st_size > 0
+    assert set(r["edits"]["agent_removed"]) == {"edit_kept", "block_px_vs_unedited", "agent_px_vs_unedited", "coverage"}

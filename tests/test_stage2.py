@@ -155,6 +155,7 @@ def _counting_latents(lengths=(30, 40)):
     lat = object.__new__(LatentEpisodes)
     lat.latents = [torch.arange(n + 1, dtype=torch.float16)[:, None, None, None].expand(n + 1, 8, 16, 16).clone() for n in lengths]
     lat.actions = [np.stack([np.arange(n), -np.arange(n)], 1).astype(np.float32) for n in lengths]
+    lat.erased = None
     return lat
 
 
@@ -195,6 +196,28 @@ def test_focus_draws_the_listed_transitions():
     assert tgt.shape[1] == 6 and (tgt[:, -1, 0, 0, 0] <= 40).all()
 
 
+def test_drop_agent_swaps_the_last_context_frames_for_agentless_ones():
+    lat, K = _counting_latents(), 4
+    with pytest.raises(ValueError, match="agent-erased"):
+        lat.sample_rollout(np.random.default_rng(0), 8, K, 0, drop_agent=0.5)
+    lat.erased = [-(z + 1) for z in lat.latents]  # the agentless twin of frame t holds -(t + 1)
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 400, K, 0, drop_agent=0.5)
+    v = ctx[:, :, 0, 0, 0]
+    dropped = v < 0
+    assert 0.4 < dropped[:, -1].float().mean() < 0.6  # about half the windows lose the agent
+    for i in range(len(v)):
+        j = int(dropped[i].sum())
+        assert j <= nv[i] and dropped[i, K - j :].all()  # only the last j valid slots, a contiguous run
+        t = torch.where(v[i] < 0, -v[i] - 1, v[i])  # the frame index behind each slot
+        n = int(nv[i])
+        assert torch.equal(t[K - n :], t[-1] - torch.arange(n - 1, -1, -1, dtype=t.dtype))  # the same frames
+        assert tgt[i, 0, 0, 0, 0] == t[-1] + 1  # the target is the real next frame (it keeps the agent)
+    ctx, act, tgt, nv = lat.sample(np.random.default_rng(1), 100, K, drop_all=True)
+    v = ctx[:, :, 0, 0, 0]
+    for i in range(len(v)):
+        assert (v[i, K - nv[i] :] < 0).all() and (v[i, : K - nv[i]] >= 0).all()  # every valid slot, no padding
+
+
 def test_block_moves_reads_the_recorded_block_poses(tiny_dataset):
     from iws_gym.data import list_episodes, read_episode
     from iws_gym.stages import block_moves
@@ -213,15 +236,16 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--out", out, "--steps", 3, "--batch", 4, "--lr", 0,
-            "--eval-every", 2, "--warmup", 1)
+            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--drop-agent", 0.5, "--out", out, "--steps", 3,
+            "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
     _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
     cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
     assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3 and meta1["focus"] == 0.5
-    assert meta1["change_weight"] == 2
+    assert meta1["change_weight"] == 2 and meta1["drop_agent"] == 0.5
+    assert r["eval"]["latent_mse_copy_last_no_agent"] > 0  # held-out windows whose context lost the agent
     assert r["eval"]["latent_mse_copy_last_block_moving"] > 0  # held-out windows in which the block moves
     for k in sd0:  # lr 0: the weights are the release's
         torch.testing.assert_close(sd1[k].float(), sd0[k].float())
