@@ -59,11 +59,6 @@ def validate_pose_estimator(task: TaskConfig, episodes: int = 20, steps: int = 1
     return report
 
 
-def rerender_states(agent_pos: np.ndarray, block_pose: np.ndarray, frame_size: int) -> np.ndarray:
-    """Render true states exactly with gym-pusht's renderer (groundtruth.render_states)."""
-    return render_states(agent_pos, block_pose, frame_size)
-
-
 def frame_metrics(pred: np.ndarray, ep: dict) -> dict:
     """Per-step metrics (arrays of length T+1) of predicted frames against a ground-truth episode."""
     gt = ep["frames"][: len(pred)]
@@ -98,7 +93,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     if grid is not None and checkpoint is None:
         raise ValueError("--grid shows the model's rollouts: it needs --checkpoint")
     predictors = {"copy_first_frame": _copy_first,
-                  "ground_truth_rerender": lambda ep, h: rerender_states(ep["agent_pos"][: h + 1], ep["block_pose"][: h + 1], task.frame_size)}
+                  "ground_truth_rerender": lambda ep, h: render_states(ep["agent_pos"][: h + 1], ep["block_pose"][: h + 1], task.frame_size)}
     model_kind = None
     if checkpoint is not None:
         from .world_model import load_predictor

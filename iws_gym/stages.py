@@ -134,7 +134,7 @@ class LatentEpisodes:
         """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame.
         Returns ctx (B, K, C, h, w), actions (B, K, 2), the next frame (B, C, h, w), n_valid (B,).
         drop_all: every context frame without the agent (see sample_rollout's drop_agent)."""
-        ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0, drop_agent=float(drop_all), drop_all=drop_all)
+        ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0, drop_all=drop_all)
         return ctx, act, tgt[:, 0], nv
 
     def sample_rollout(self, rng, batch: int, K: int, R: int, focus: float = 0.0, drop_agent: float = 0.0,
@@ -150,8 +150,11 @@ class LatentEpisodes:
 
         drop_agent: the probability that a window's last j context frames (j uniform in 1..n_valid) are
         replaced by the same frames rendered without the agent (`self.erased`, see `agent_erased_latents`);
-        the target keeps it (drop_all: j = n_valid, the whole history). At inference a rollout that has faded the agent out of its recent frames
-        otherwise never draws it again; this teaches the network to put it back where the actions say."""
+        the target keeps it. drop_all: every window, j = n_valid (the whole history). At inference a
+        rollout that has faded the agent out of its recent frames otherwise never draws it again; this
+        teaches the network to put it back where the actions say."""
+        if drop_all:
+            drop_agent = 1.0
         if drop_agent > 0 and self.erased is None:
             raise ValueError("drop_agent > 0 needs the agent-erased latents (LatentEpisodes.erased)")
         ctx, act, tgt, nv = [], [], [], []
@@ -253,16 +256,18 @@ class Stage2Stage(StageBase):
         self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp, cache=latent_cache(a.data, self.stage1_file, len(eps.frames)))
         if not 0.0 <= a.focus <= 1.0:
             raise ValueError(f"--focus must be in [0, 1], got {a.focus}")
-        if a.focus > 0:
-            self.data.hard = block_moves(eps.paths)
         if not 0.0 <= a.drop_agent <= 1.0:
             raise ValueError(f"--drop-agent must be in [0, 1], got {a.drop_agent}")
-        if a.drop_agent > 0:
+        if a.focus > 0 or a.drop_agent > 0:  # both work from the episodes' recorded block poses
             from .data import read_episode
 
             poses = [read_episode(p, keys=("block_pose",))["block_pose"] for p in eps.paths]
-            cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "noagent")
-            self.data.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache, cfg1.encoder.frame_size)
+            if a.focus > 0:
+                self.data.hard = moving_transitions(poses)
+            if a.drop_agent > 0:
+                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "noagent")
+                self.data.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
+                                                        cfg1.encoder.frame_size)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":

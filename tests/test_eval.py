@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from iws_gym.collect import heldout_episodes
-from iws_gym.evaluate import frame_metrics, rerender_states
+from iws_gym.evaluate import frame_metrics
+from iws_gym.groundtruth import render_states
 from iws_gym.tasks import load_task
 
 from .conftest import run_iws
@@ -12,7 +13,7 @@ from .conftest import run_iws
 
 def test_rerender_reproduces_ground_truth():
     ep = next(heldout_episodes(load_task("tpushing"), 1, 6))
-    m = frame_metrics(rerender_states(ep["agent_pos"], ep["block_pose"], 128), ep)
+    m = frame_metrics(render_states(ep["agent_pos"], ep["block_pose"], 128), ep)
     assert np.all(m["psnr"] > 40) and np.all(m["ssim"] > 0.99)
 
 
