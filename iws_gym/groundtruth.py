@@ -93,3 +93,24 @@ def render_states(agent_pos: np.ndarray, block_pose: np.ndarray, frame_size: int
 def render_without_agent(block_pose: np.ndarray, frame_size: int = 128, env=None) -> np.ndarray:
     """The frames of an episode's block poses (T, 3) with the agent left out: (T, H, W, 3) uint8."""
     return render_states(np.tile(np.asarray(OFF_CANVAS), (len(block_pose), 1)), block_pose, frame_size, env)
+
+
+OFF_CANVAS_BLOCK = (-1000.0, -1000.0, 0.0)  # a block pose far off the canvas: a frame rendered without the block
+
+
+def corrupt_block(frames: np.ndarray, agent_pos: np.ndarray, block_pose: np.ndarray, rng, frame_size: int = 128,
+                  env=None, keep=(0.3, 0.9), shift_px: float = 15.0, turn_rad: float = 0.2) -> np.ndarray:
+    """An episode's frames (T, H, W, 3) uint8 with the T block drawn the way a dynamics model unsure of a
+    push draws it: per frame, the real frame keeps a weight w ~ U(keep) and the rest goes, with equal
+    odds, to the same state rendered without the block (a faded block) or with the block at a wrong
+    pose (shifted N(0, shift_px) canvas px per axis, turned N(0, turn_rad): a ghost). Every part is an
+    exact render with the agent at its real place, so the agent is unchanged. Returns (T, H, W, 3) uint8."""
+    T = len(frames)
+    if not (len(agent_pos) == len(block_pose) == T):
+        raise ValueError(f"corrupt_block: {T} frames, {len(agent_pos)} agent positions, {len(block_pose)} block poses")
+    w = rng.uniform(*keep, T)
+    other = np.asarray(block_pose, dtype=np.float64) + np.c_[rng.normal(0, shift_px, (T, 2)), rng.normal(0, turn_rad, T)]
+    other[rng.random(T) < 0.5] = OFF_CANVAS_BLOCK
+    w = w[:, None, None, None]
+    out = w * frames + (1 - w) * render_states(agent_pos, other, frame_size, env)
+    return np.rint(out).clip(0, 255).astype(np.uint8)

@@ -109,6 +109,7 @@ class LatentEpisodes:
 
         self.latents, self.actions = [], episodes.actions
         self.erased = None  # the same frames without the agent, for drop_agent (agent_erased_latents)
+        self.corrupted = None  # the same frames with a faded or ghosted block, for corrupt_block (block_corrupted_latents)
         self.hard = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `focus` draws from (see below)
         if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
             c = torch.load(cache, map_location="cpu", weights_only=True)
@@ -130,15 +131,16 @@ class LatentEpisodes:
         """Std of the one-step latent change z_{t+1} - z_t over (up to) the first 100 episodes."""
         return float(torch.cat([z[1:].float() - z[:-1].float() for z in self.latents[:100]]).std())
 
-    def sample(self, rng, batch: int, K: int, drop_all: bool = False):
+    def sample(self, rng, batch: int, K: int, drop_all: bool = False, corrupt_all: bool = False):
         """Windows with a uniformly random history length in [1, K]; missing slots repeat the earliest frame.
         Returns ctx (B, K, C, h, w), actions (B, K, 2), the next frame (B, C, h, w), n_valid (B,).
-        drop_all: every context frame without the agent (see sample_rollout's drop_agent)."""
-        ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0, drop_all=drop_all)
+        drop_all / corrupt_all: every context frame without the agent / with a corrupted block (see
+        sample_rollout's drop_agent and corrupt_block)."""
+        ctx, act, tgt, nv = self.sample_rollout(rng, batch, K, 0, drop_all=drop_all, corrupt_all=corrupt_all)
         return ctx, act, tgt[:, 0], nv
 
     def sample_rollout(self, rng, batch: int, K: int, R: int, focus: float = 0.0, drop_agent: float = 0.0,
-                       drop_all: bool = False):
+                       drop_all: bool = False, corrupt_block: float = 0.0, corrupt_all: bool = False):
         """Windows for training on the model's own predictions: a real context ending at frame t (history
         length uniform in [1, K], as in `sample`), the K + R actions from its first slot on, and the R + 1
         frames that follow it. Returns ctx (B, K, C, h, w), actions (B, K + R, 2), targets (B, R + 1, C, h, w),
@@ -152,11 +154,24 @@ class LatentEpisodes:
         replaced by the same frames rendered without the agent (`self.erased`, see `agent_erased_latents`);
         the target keeps it. drop_all: every window, j = n_valid (the whole history). At inference a
         rollout that has faded the agent out of its recent frames otherwise never draws it again; this
-        teaches the network to put it back where the actions say."""
+        teaches the network to put it back where the actions say.
+
+        corrupt_block: likewise, the probability that the last j context frames are replaced by the same
+        frames with a faded or ghosted block (`self.corrupted`, see `block_corrupted_latents`); the target
+        is the real next frame with its rigid, full-contrast T. corrupt_all: every window, j = n_valid.
+        A window gets at most one of the two (drawn with one uniform: drop_agent first). The fade of a
+        pushed block is the one-step average of the places it might go, fed back step after step; this
+        teaches the network to redraw a faint or doubled T as the rigid block it stands for."""
         if drop_all:
             drop_agent = 1.0
+        if corrupt_all:
+            drop_agent, corrupt_block = 0.0, 1.0
         if drop_agent > 0 and self.erased is None:
             raise ValueError("drop_agent > 0 needs the agent-erased latents (LatentEpisodes.erased)")
+        if corrupt_block > 0 and self.corrupted is None:
+            raise ValueError("corrupt_block > 0 needs the block-corrupted latents (LatentEpisodes.corrupted)")
+        if drop_agent + corrupt_block > 1:
+            raise ValueError(f"drop_agent + corrupt_block must be <= 1, got {drop_agent} + {corrupt_block}")
         ctx, act, tgt, nv = [], [], [], []
         for e in rng.integers(0, len(self.latents), batch):
             if focus > 0 and len(self.hard) and rng.random() < focus:
@@ -168,9 +183,12 @@ class LatentEpisodes:
             n_valid = min(int(rng.integers(1, K + 1)), t + 1)
             idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
             c = Z[idx]
-            if drop_agent > 0 and rng.random() < drop_agent:
-                j = n_valid if drop_all else int(rng.integers(1, n_valid + 1))
-                c = torch.cat([c[: K - j], self.erased[e][idx[K - j :]]])
+            if drop_agent > 0 or corrupt_block > 0:
+                u = rng.random()
+                alt = self.erased if u < drop_agent else self.corrupted if u < drop_agent + corrupt_block else None
+                if alt is not None:
+                    j = n_valid if (drop_all or corrupt_all) else int(rng.integers(1, n_valid + 1))
+                    c = torch.cat([c[: K - j], alt[e][idx[K - j :]]])
             ctx.append(c)
             a = np.concatenate([A[idx], A[t + 1 : t + R + 1]]).astype(np.float32)
             a[: K - n_valid] = 0.0
@@ -189,6 +207,21 @@ def encode_frames(frames: np.ndarray, encoder, device, amp: bool = True, batch: 
     return torch.cat(zs)
 
 
+def cached_episode_latents(cache: Path | None, lengths, build) -> list[torch.Tensor]:
+    """Per-episode latents from `cache` when it holds episodes of exactly these lengths, else `build()`
+    (then saved to `cache`, atomically)."""
+    if cache is not None and cache.is_file():
+        c = torch.load(cache, map_location="cpu", weights_only=True)
+        if len(c) == len(lengths) and all(len(z) == n for z, n in zip(c, lengths)):
+            return c
+    out = build()
+    if cache is not None:
+        from .checkpoint import atomic_torch_save
+
+        atomic_torch_save(out, cache)
+    return out
+
+
 def agent_erased_latents(block_poses, encoder, device, amp: bool = True, cache: Path | None = None,
                          frame_size: int = 128) -> list[torch.Tensor]:
     """Per episode, the latents of its frames re-rendered without the agent (exact renders of the
@@ -198,18 +231,30 @@ def agent_erased_latents(block_poses, encoder, device, amp: bool = True, cache: 
 
     from .groundtruth import make_env, render_without_agent
 
-    if cache is not None and cache.is_file():
-        c = torch.load(cache, map_location="cpu", weights_only=True)
-        if len(c) == len(block_poses) and all(len(z) == len(p) for z, p in zip(c, block_poses)):
-            return c
-    env = make_env(frame_size)
-    out = [encode_frames(render_without_agent(p, frame_size, env), encoder, device, amp)
-           for p in tqdm(block_poses, desc="latents without the agent", unit="ep")]
-    if cache is not None:
-        from .checkpoint import atomic_torch_save
+    def build():
+        env = make_env(frame_size)
+        return [encode_frames(render_without_agent(p, frame_size, env), encoder, device, amp)
+                for p in tqdm(block_poses, desc="latents without the agent", unit="ep")]
 
-        atomic_torch_save(out, cache)
-    return out
+    return cached_episode_latents(cache, [len(p) for p in block_poses], build)
+
+
+def block_corrupted_latents(frames, agent_pos, block_poses, encoder, device, amp: bool = True,
+                            cache: Path | None = None, frame_size: int = 128, seed: int = 0) -> list[torch.Tensor]:
+    """Per episode, the latents of its frames with the block faded or ghosted (`groundtruth.corrupt_block`,
+    one exact re-render per frame, seeded by (seed, episode)), for `corrupt_block`. Cached like the latents."""
+    from tqdm import tqdm
+
+    from .groundtruth import corrupt_block, make_env
+
+    def build():
+        env = make_env(frame_size)
+        return [encode_frames(corrupt_block(fr, ap, bp, np.random.default_rng([seed, e]), frame_size, env),
+                              encoder, device, amp)
+                for e, (fr, ap, bp) in enumerate(tqdm(list(zip(frames, agent_pos, block_poses)),
+                                                      desc="latents with a corrupted block", unit="ep"))]
+
+    return cached_episode_latents(cache, [len(f) for f in frames], build)
 
 
 def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
@@ -258,16 +303,25 @@ class Stage2Stage(StageBase):
             raise ValueError(f"--focus must be in [0, 1], got {a.focus}")
         if not 0.0 <= a.drop_agent <= 1.0:
             raise ValueError(f"--drop-agent must be in [0, 1], got {a.drop_agent}")
-        if a.focus > 0 or a.drop_agent > 0:  # both work from the episodes' recorded block poses
+        if not 0.0 <= a.corrupt_block <= 1.0 or a.drop_agent + a.corrupt_block > 1:
+            raise ValueError(f"--corrupt-block must be in [0, 1] and --drop-agent + --corrupt-block <= 1, "
+                             f"got {a.corrupt_block} and {a.drop_agent}")
+        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0:  # these work from the recorded states
             from .data import read_episode
 
-            poses = [read_episode(p, keys=("block_pose",))["block_pose"] for p in eps.paths]
+            states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
+            poses = [s["block_pose"] for s in states]
             if a.focus > 0:
                 self.data.hard = moving_transitions(poses)
             if a.drop_agent > 0:
                 cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "noagent")
                 self.data.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
                                                         cfg1.encoder.frame_size)
+            if a.corrupt_block > 0:
+                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "corruptblock")
+                self.data.corrupted = block_corrupted_latents(eps.frames, [s["agent_pos"] for s in states], poses,
+                                                              self.stage1.encoder, device, a.amp, cache,
+                                                              cfg1.encoder.frame_size)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
@@ -316,6 +370,11 @@ class Stage2Stage(StageBase):
         self.held.erased = agent_erased_latents([e["block_pose"] for e in held_eps], self.stage1.encoder, device,
                                                 a.amp, frame_size=cfg1.encoder.frame_size)
         self.eval_no_agent = self.held.sample(np.random.default_rng(3), 64, cfg.context, drop_all=True)
+        # ... and windows whose whole context shows a faded or ghosted block (what --corrupt-block trains)
+        self.held.corrupted = block_corrupted_latents([e["frames"] for e in held_eps], [e["agent_pos"] for e in held_eps],
+                                                      [e["block_pose"] for e in held_eps], self.stage1.encoder, device,
+                                                      a.amp, frame_size=cfg1.encoder.frame_size, seed=1)
+        self.eval_corrupt = self.held.sample(np.random.default_rng(4), 64, cfg.context, corrupt_all=True)
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
 
@@ -342,7 +401,8 @@ class Stage2Stage(StageBase):
         than compound them (context noise alone only imitates those errors)."""
         K, R = self.config.context, self.a.rollout
         if R <= 0 or rng.random() < 0.5:
-            ctx, act, tgt, nv = self.data.sample_rollout(rng, batch, K, 0, focus=self.a.focus, drop_agent=self.a.drop_agent)
+            ctx, act, tgt, nv = self.data.sample_rollout(rng, batch, K, 0, focus=self.a.focus, drop_agent=self.a.drop_agent,
+                                                         corrupt_block=self.a.corrupt_block)
             return ctx.to(self.device), act.to(self.device), tgt[:, 0].to(self.device), nv.to(self.device)
         r = int(rng.integers(1, R + 1))
         ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r, focus=self.a.focus))
@@ -371,6 +431,10 @@ class Stage2Stage(StageBase):
         pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
         out["latent_mse_1step_no_agent"] = (pred - tgt).pow(2).mean().item()  # context without the agent
         out["latent_mse_copy_last_no_agent"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_corrupt)
+        pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
+        out["latent_mse_1step_corrupt_block"] = (pred - tgt).pow(2).mean().item()  # faded / ghosted block in context
+        out["latent_mse_copy_last_corrupt_block"] = (ctx[:, -1] - tgt).pow(2).mean().item()
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
         D = self.EVAL_DEPTH
         *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))
@@ -384,7 +448,7 @@ class Stage2Stage(StageBase):
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
                      grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch, drop_agent=self.a.drop_agent,
-                     one_step_loss=self.a.one_step_loss)
+                     corrupt_block=self.a.corrupt_block, one_step_loss=self.a.one_step_loss)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

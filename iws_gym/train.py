@@ -65,6 +65,8 @@ class TrainArgs:
                                       #   (energy score of two draws: one step samples; see dynamics.energy_score)
     drop_agent: float = 0.0           # stage 2: share of windows whose last context frames lose the agent (target
                                       #   keeps it), so a rollout that faded it draws it again; see sample_rollout
+    corrupt_block: float = 0.0        # stage 2: share of windows whose last context frames show a faded or ghosted
+                                      #   block (target: the real frame), so a fading block is redrawn rigid
     hires_ch: int = 0                 # stage 2: add a full-resolution refinement head of this width (HiResHead);
                                       #   with --finetune it starts at zero, so the release's function is kept
 

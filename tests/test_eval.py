@@ -30,6 +30,29 @@ def test_render_without_agent_changes_only_the_agent():
     assert changed.any() and not (changed & (d2 > 23**2)).any()  # nothing changes beyond the agent's disc
 
 
+def test_corrupt_block_fades_or_ghosts_the_block_and_keeps_the_agent():
+    from iws_gym.groundtruth import corrupt_block
+    from iws_gym.pose import agent_position, block_fraction
+
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 12))
+    fr, ap, bp = ep["frames"], ep["agent_pos"], ep["block_pose"]
+    assert np.array_equal(corrupt_block(fr, ap, bp, np.random.default_rng(0), keep=(1.0, 1.0)), fr)  # w = 1: unchanged
+    out = corrupt_block(fr, ap, bp, np.random.default_rng(0))
+    assert out.shape == fr.shape and out.dtype == np.uint8
+    drops = []
+    for f, g in zip(fr, out):
+        np.testing.assert_allclose(agent_position(g), agent_position(f), atol=1.0)  # the agent is where it was
+        assert not np.array_equal(f, g)
+        a_f, a_g = block_fraction(f)[0], block_fraction(g)[0]
+        solid = a_f > 0.8  # the real block's pixels
+        drops.append(a_f[solid].mean() - a_g[solid].mean())
+    assert min(drops) >= 0 and np.mean(drops) > 0.1  # the real block loses contrast (faded, or partly a ghost)
+    again = corrupt_block(fr, ap, bp, np.random.default_rng(0))
+    assert np.array_equal(out, again)  # seeded: the training cache is reproducible
+    with pytest.raises(ValueError, match="block poses"):
+        corrupt_block(fr, ap, bp[:-1], np.random.default_rng(0))
+
+
 def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
     out = tmp_path / "fid.json"
     run_iws("eval", "fidelity", "--checkpoint", tiny_stage1, "--horizon", 4, "--episodes", 1, "--json", out,

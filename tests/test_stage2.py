@@ -156,6 +156,7 @@ def _counting_latents(lengths=(30, 40)):
     lat.latents = [torch.arange(n + 1, dtype=torch.float16)[:, None, None, None].expand(n + 1, 8, 16, 16).clone() for n in lengths]
     lat.actions = [np.stack([np.arange(n), -np.arange(n)], 1).astype(np.float32) for n in lengths]
     lat.erased = None
+    lat.corrupted = None
     return lat
 
 
@@ -218,6 +219,32 @@ def test_drop_agent_swaps_the_last_context_frames_for_agentless_ones():
         assert (v[i, K - nv[i] :] < 0).all() and (v[i, : K - nv[i]] >= 0).all()  # every valid slot, no padding
 
 
+def test_corrupt_block_swaps_the_last_context_frames_and_excludes_drop_agent():
+    lat, K = _counting_latents(), 4
+    with pytest.raises(ValueError, match="block-corrupted"):
+        lat.sample_rollout(np.random.default_rng(0), 8, K, 0, corrupt_block=0.5)
+    lat.erased = [-(z + 1) for z in lat.latents]  # the agentless twin of frame t holds -(t + 1)
+    lat.corrupted = [z + 1000 for z in lat.latents]  # the corrupted-block twin of frame t holds t + 1000
+    with pytest.raises(ValueError, match="<= 1"):
+        lat.sample_rollout(np.random.default_rng(0), 8, K, 0, drop_agent=0.6, corrupt_block=0.6)
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 600, K, 0, drop_agent=0.3, corrupt_block=0.3)
+    v = ctx[:, :, 0, 0, 0]
+    dropped, corrupted = v < 0, v >= 1000
+    assert 0.22 < dropped[:, -1].float().mean() < 0.38 and 0.22 < corrupted[:, -1].float().mean() < 0.38
+    assert not (dropped.any(1) & corrupted.any(1)).any()  # one kind per window
+    for i in range(len(v)):
+        j = int(corrupted[i].sum())
+        assert j <= nv[i] and corrupted[i, K - j :].all()  # the last j valid slots, a contiguous run
+        t = torch.where(v[i] < 0, -v[i] - 1, torch.where(v[i] >= 1000, v[i] - 1000, v[i]))
+        n = int(nv[i])
+        assert torch.equal(t[K - n :], t[-1] - torch.arange(n - 1, -1, -1, dtype=t.dtype))  # the same frames
+        assert tgt[i, 0, 0, 0, 0] == t[-1] + 1  # the target is the real next frame
+    ctx, act, tgt, nv = lat.sample(np.random.default_rng(1), 100, K, corrupt_all=True)
+    v = ctx[:, :, 0, 0, 0]
+    for i in range(len(v)):
+        assert (v[i, K - nv[i] :] >= 1000).all() and (v[i, : K - nv[i]] < 1000).all()  # every valid slot, no padding
+
+
 def test_block_moves_reads_the_recorded_block_poses(tiny_dataset):
     from iws_gym.data import list_episodes, read_episode
     from iws_gym.stages import block_moves
@@ -236,15 +263,16 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--drop-agent", 0.5, "--out", out, "--steps", 3,
-            "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
+            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--drop-agent", 0.5, "--corrupt-block", 0.25, "--out", out,
+            "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
     _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
     cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
     assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3 and meta1["focus"] == 0.5
-    assert meta1["change_weight"] == 2 and meta1["drop_agent"] == 0.5
+    assert meta1["change_weight"] == 2 and meta1["drop_agent"] == 0.5 and meta1["corrupt_block"] == 0.25
+    assert r["eval"]["latent_mse_copy_last_corrupt_block"] > 0  # held-out windows whose context has a corrupted block
     assert r["eval"]["latent_mse_copy_last_no_agent"] > 0  # held-out windows whose context lost the agent
     assert r["eval"]["latent_mse_copy_last_block_moving"] > 0  # held-out windows in which the block moves
     for k in sd0:  # lr 0: the weights are the release's
@@ -424,3 +452,19 @@ def test_energy_one_step_loss_trains_two_jumps():
     m.one_step_loss = "l1"
     with pytest.raises(ValueError, match="one_step_loss"):
         m.loss(batch, 0)
+
+
+def test_cached_episode_latents_reuses_the_cache_only_for_the_same_episodes(tmp_path):
+    from iws_gym.stages import cached_episode_latents
+
+    cache, calls = tmp_path / "lat.pt", []
+
+    def build(n=(3, 5)):
+        calls.append(n)
+        return [torch.full((k, 2), float(k)) for k in n]
+
+    a = cached_episode_latents(cache, [3, 5], build)
+    b = cached_episode_latents(cache, [3, 5], lambda: pytest.fail("the cache should have been used"))
+    assert len(calls) == 1 and all(torch.equal(x, y) for x, y in zip(a, b))
+    c = cached_episode_latents(cache, [3, 6], lambda: build((3, 6)))  # other episode lengths: rebuilt
+    assert len(calls) == 2 and len(c[1]) == 6 and len(cached_episode_latents(cache, [3, 6], build)[1]) == 6
