@@ -427,14 +427,12 @@ class Stage2Stage(StageBase):
             # < 1: one step under-predicts the change (averaging); ~0 variance: one step does not sample
             out["change_ratio_block_moving"] = st["predicted_change_ratio"]
             out["sample_variance_block_moving"] = st["sample_variance"]
-        ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_no_agent)
-        pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
-        out["latent_mse_1step_no_agent"] = (pred - tgt).pow(2).mean().item()  # context without the agent
-        out["latent_mse_copy_last_no_agent"] = (ctx[:, -1] - tgt).pow(2).mean().item()
-        ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_corrupt)
-        pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
-        out["latent_mse_1step_corrupt_block"] = (pred - tgt).pow(2).mean().item()  # faded / ghosted block in context
-        out["latent_mse_copy_last_corrupt_block"] = (ctx[:, -1] - tgt).pow(2).mean().item()
+        # contexts a rollout produces: the agent faded out / the block faded or ghosted (what the augmentations train)
+        for name, windows in (("no_agent", self.eval_no_agent), ("corrupt_block", self.eval_corrupt)):
+            ctx, act, tgt, nv = (t.to(self.device) for t in windows)
+            pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
+            out[f"latent_mse_1step_{name}"] = (pred - tgt).pow(2).mean().item()
+            out[f"latent_mse_copy_last_{name}"] = (ctx[:, -1] - tgt).pow(2).mean().item()
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_rollout)
         D = self.EVAL_DEPTH
         *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0))
