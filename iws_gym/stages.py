@@ -240,21 +240,33 @@ def agent_erased_latents(block_poses, encoder, device, amp: bool = True, cache: 
 
 
 def block_corrupted_latents(frames, agent_pos, block_poses, encoder, device, amp: bool = True,
-                            cache: Path | None = None, frame_size: int = 128, seed: int = 0) -> list[torch.Tensor]:
-    """Per episode, the latents of its frames with the block faded or ghosted (`groundtruth.corrupt_block`,
-    one exact re-render per frame, seeded by (seed, episode)), for `corrupt_block`. Cached like the latents."""
+                            cache: Path | None = None, frame_size: int = 128, seed: int = 0,
+                            kinds: tuple[str, ...] = ("fade", "ghost")) -> list[torch.Tensor]:
+    """Per episode, the latents of its frames with the block faded, ghosted or bent
+    (`groundtruth.corrupt_block` with `kinds`, exact re-renders, seeded by (seed, episode)), for
+    `corrupt_block`. Cached like the latents."""
     from tqdm import tqdm
 
     from .groundtruth import corrupt_block, make_env
 
     def build():
         env = make_env(frame_size)
-        return [encode_frames(corrupt_block(fr, ap, bp, np.random.default_rng([seed, e]), frame_size, env),
+        return [encode_frames(corrupt_block(fr, ap, bp, np.random.default_rng([seed, e]), frame_size, env, kinds=kinds),
                               encoder, device, amp)
                 for e, (fr, ap, bp) in enumerate(tqdm(list(zip(frames, agent_pos, block_poses)),
                                                       desc="latents with a corrupted block", unit="ep"))]
 
     return cached_episode_latents(cache, [len(f) for f in frames], build)
+
+
+def corrupt_kinds(spec: str) -> tuple[str, ...]:
+    """--corrupt-kinds "fade,ghost,bend" -> ("fade", "ghost", "bend"), checked against groundtruth.CORRUPT_KINDS."""
+    from .groundtruth import CORRUPT_KINDS
+
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    if not kinds or set(kinds) - set(CORRUPT_KINDS) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"--corrupt-kinds must be distinct names from {', '.join(CORRUPT_KINDS)}, got {spec!r}")
+    return kinds
 
 
 def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
@@ -306,6 +318,7 @@ class Stage2Stage(StageBase):
         if not 0.0 <= a.corrupt_block <= 1.0 or a.drop_agent + a.corrupt_block > 1:
             raise ValueError(f"--corrupt-block must be in [0, 1] and --drop-agent + --corrupt-block <= 1, "
                              f"got {a.corrupt_block} and {a.drop_agent}")
+        kinds = corrupt_kinds(a.corrupt_kinds)
         if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0:  # these work from the recorded states
             from .data import read_episode
 
@@ -318,10 +331,12 @@ class Stage2Stage(StageBase):
                 self.data.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
                                                         cfg1.encoder.frame_size)
             if a.corrupt_block > 0:
-                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "corruptblock")
+                # the original two kinds keep their cache name
+                name = "corruptblock" + ("" if kinds == ("fade", "ghost") else "-" + "-".join(kinds))
+                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), name)
                 self.data.corrupted = block_corrupted_latents(eps.frames, [s["agent_pos"] for s in states], poses,
                                                               self.stage1.encoder, device, a.amp, cache,
-                                                              cfg1.encoder.frame_size)
+                                                              cfg1.encoder.frame_size, kinds=kinds)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
@@ -375,6 +390,11 @@ class Stage2Stage(StageBase):
                                                       [e["block_pose"] for e in held_eps], self.stage1.encoder, device,
                                                       a.amp, frame_size=cfg1.encoder.frame_size, seed=1)
         self.eval_corrupt = self.held.sample(np.random.default_rng(4), 64, cfg.context, corrupt_all=True)
+        # ... and windows whose whole context shows a bent T (bar and stem apart; --corrupt-kinds ...,bend)
+        self.held.corrupted = block_corrupted_latents([e["frames"] for e in held_eps], [e["agent_pos"] for e in held_eps],
+                                                      [e["block_pose"] for e in held_eps], self.stage1.encoder, device,
+                                                      a.amp, frame_size=cfg1.encoder.frame_size, seed=1, kinds=("bend",))
+        self.eval_bend = self.held.sample(np.random.default_rng(5), 64, cfg.context, corrupt_all=True)
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
 
@@ -428,7 +448,8 @@ class Stage2Stage(StageBase):
             out["change_ratio_block_moving"] = st["predicted_change_ratio"]
             out["sample_variance_block_moving"] = st["sample_variance"]
         # contexts a rollout produces: the agent faded out / the block faded or ghosted (what the augmentations train)
-        for name, windows in (("no_agent", self.eval_no_agent), ("corrupt_block", self.eval_corrupt)):
+        for name, windows in (("no_agent", self.eval_no_agent), ("corrupt_block", self.eval_corrupt),
+                              ("bent_block", self.eval_bend)):
             ctx, act, tgt, nv = (t.to(self.device) for t in windows)
             pred = ema.predict(ctx, act, nv, steps=1, generator=torch.Generator().manual_seed(0))
             out[f"latent_mse_1step_{name}"] = (pred - tgt).pow(2).mean().item()
@@ -446,7 +467,8 @@ class Stage2Stage(StageBase):
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
                      grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch, drop_agent=self.a.drop_agent,
-                     corrupt_block=self.a.corrupt_block, one_step_loss=self.a.one_step_loss)
+                     corrupt_block=self.a.corrupt_block, corrupt_kinds=self.a.corrupt_kinds if self.a.corrupt_block else None,
+                     one_step_loss=self.a.one_step_loss)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

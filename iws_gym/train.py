@@ -67,6 +67,8 @@ class TrainArgs:
                                       #   keeps it), so a rollout that faded it draws it again; see sample_rollout
     corrupt_block: float = 0.0        # stage 2: share of windows whose last context frames show a faded or ghosted
                                       #   block (target: the real frame), so a fading block is redrawn rigid
+    corrupt_kinds: str = "fade,ghost"  # stage 2: the corruptions --corrupt-block draws from, comma-separated, equal
+                                      #   odds: fade, ghost, bend (bar and stem at different poses); see corrupt_block
     hires_ch: int = 0                 # stage 2: add a full-resolution refinement head of this width (HiResHead);
                                       #   with --finetune it starts at zero, so the release's function is kept
 

@@ -53,6 +53,37 @@ def test_corrupt_block_fades_or_ghosts_the_block_and_keeps_the_agent():
         corrupt_block(fr, ap, bp[:-1], np.random.default_rng(0))
 
 
+def test_render_bent_splits_the_t_and_bend_keeps_the_agent():
+    from iws_gym.groundtruth import (OFF_CANVAS_BLOCK, T_JOINT, bend_poses, corrupt_block, render_bent, render_states,
+                                     rot)
+    from iws_gym.pose import agent_position, block_fraction
+
+    ap = np.array([[100.0, 100.0], [400.0, 120.0]])
+    bp = np.array([[256.0, 300.0, 0.5], [200.0, 260.0, -1.2]])
+    real = render_states(ap, bp)
+    one = np.ones(2)
+    assert np.array_equal(render_bent(ap, bp, bp, one, one), real)  # one pose for both parts: the rigid T, exactly
+    assert np.array_equal(render_bent(ap, bp, bp, 0 * one, 0 * one), render_states(ap, np.array([OFF_CANVAS_BLOCK] * 2)))
+    stem = bp + [0.0, 0.0, 0.6]  # the stem turned about the body origin: the bar alone stays where it was
+    bent = render_bent(ap, bp, stem, one, one)
+    bar_only = render_bent(ap, bp, bp, one, 0 * one)
+    assert not np.array_equal(bent, real)
+    assert (block_fraction(bent[0])[0] > 0.8).sum() > 0.8 * (block_fraction(real[0])[0] > 0.8).sum()  # solid, not faded
+    assert np.abs(bent.astype(int) - bar_only).max() > 0 and (bar_only != real).any()
+    # bend_poses: with no stem shift the stem still meets the bar at the joint
+    bar, st = bend_poses(bp, np.random.default_rng(0), stem_shift_px=0.0)
+    for b, s in zip(bar, st):
+        np.testing.assert_allclose(b[:2] + rot(b[2]) @ T_JOINT, s[:2] + rot(s[2]) @ T_JOINT, atol=1e-9)
+    # corrupt_block with bend only: every frame differs, the agent stays put; unknown kinds are refused
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 8))
+    out = corrupt_block(ep["frames"], ep["agent_pos"], ep["block_pose"], np.random.default_rng(0), kinds=("bend",))
+    for f, g in zip(ep["frames"], out):
+        assert not np.array_equal(f, g)
+        np.testing.assert_allclose(agent_position(g), agent_position(f), atol=1.0)
+    with pytest.raises(ValueError, match="kinds"):
+        corrupt_block(ep["frames"], ep["agent_pos"], ep["block_pose"], np.random.default_rng(0), kinds=("melt",))
+
+
 def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
     out = tmp_path / "fid.json"
     run_iws("eval", "fidelity", "--checkpoint", tiny_stage1, "--horizon", 4, "--episodes", 1, "--json", out,

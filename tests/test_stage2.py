@@ -219,6 +219,15 @@ def test_drop_agent_swaps_the_last_context_frames_for_agentless_ones():
         assert (v[i, K - nv[i] :] < 0).all() and (v[i, : K - nv[i]] >= 0).all()  # every valid slot, no padding
 
 
+def test_corrupt_kinds_parses_and_names_bad_kinds():
+    from iws_gym.stages import corrupt_kinds
+
+    assert corrupt_kinds("fade,ghost") == ("fade", "ghost") and corrupt_kinds(" bend ") == ("bend",)
+    for bad in ("", "fade,fade", "fade,melt"):
+        with pytest.raises(ValueError, match="--corrupt-kinds"):
+            corrupt_kinds(bad)
+
+
 def test_corrupt_block_swaps_the_last_context_frames_and_excludes_drop_agent():
     lat, K = _counting_latents(), 4
     with pytest.raises(ValueError, match="block-corrupted"):
@@ -263,7 +272,8 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--drop-agent", 0.5, "--corrupt-block", 0.25, "--out", out,
+            "--rollout", 3, "--focus", 0.5, "--change-weight", 2, "--drop-agent", 0.5, "--corrupt-block", 0.25,
+            "--corrupt-kinds", "ghost,bend", "--out", out,
             "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
@@ -272,7 +282,9 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
     assert meta1["step"] == meta0["step"] + 3 and meta1["finetune_steps"] == 3 and meta1["rollout"] == 3 and meta1["focus"] == 0.5
     assert meta1["change_weight"] == 2 and meta1["drop_agent"] == 0.5 and meta1["corrupt_block"] == 0.25
+    assert meta1["corrupt_kinds"] == "ghost,bend"
     assert r["eval"]["latent_mse_copy_last_corrupt_block"] > 0  # held-out windows whose context has a corrupted block
+    assert r["eval"]["latent_mse_copy_last_bent_block"] > 0  # ... and a bent block
     assert r["eval"]["latent_mse_copy_last_no_agent"] > 0  # held-out windows whose context lost the agent
     assert r["eval"]["latent_mse_copy_last_block_moving"] > 0  # held-out windows in which the block moves
     for k in sd0:  # lr 0: the weights are the release's
