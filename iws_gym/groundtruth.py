@@ -106,6 +106,14 @@ OFF_CANVAS_BLOCK = (-1000.0, -1000.0, 0.0)  # a block pose far off the canvas: a
 CORRUPT_KINDS = ("fade", "ghost", "bend")
 
 
+def check_corrupt_kinds(kinds, what: str = "corrupt_block: kinds") -> tuple[str, ...]:
+    """`kinds` as a tuple if it names distinct entries of CORRUPT_KINDS; else a ValueError naming `what`."""
+    kinds = tuple(kinds)
+    if not kinds or set(kinds) - set(CORRUPT_KINDS) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"{what} must be distinct names from {', '.join(CORRUPT_KINDS)}, got {kinds}")
+    return kinds
+
+
 def corrupt_block(frames: np.ndarray, agent_pos: np.ndarray, block_pose: np.ndarray, rng, frame_size: int = 128,
                   env=None, keep=(0.3, 0.9), shift_px: float = 15.0, turn_rad: float = 0.2,
                   kinds: tuple[str, ...] = ("fade", "ghost"), part_alpha=(0.4, 1.0)) -> np.ndarray:
@@ -121,10 +129,10 @@ def corrupt_block(frames: np.ndarray, agent_pos: np.ndarray, block_pose: np.ndar
     T = len(frames)
     if not (len(agent_pos) == len(block_pose) == T):
         raise ValueError(f"corrupt_block: {T} frames, {len(agent_pos)} agent positions, {len(block_pose)} block poses")
-    if not kinds or set(kinds) - set(CORRUPT_KINDS) or len(set(kinds)) != len(kinds):
-        raise ValueError(f"corrupt_block: kinds must be distinct names from {CORRUPT_KINDS}, got {kinds}")
+    kinds = check_corrupt_kinds(kinds)
+    agent_pos, block_pose = np.asarray(agent_pos, dtype=np.float64), np.asarray(block_pose, dtype=np.float64)
     w = rng.uniform(*keep, T)
-    other = np.asarray(block_pose, dtype=np.float64) + np.c_[rng.normal(0, shift_px, (T, 2)), rng.normal(0, turn_rad, T)]
+    other = block_pose + np.c_[rng.normal(0, shift_px, (T, 2)), rng.normal(0, turn_rad, T)]
     kind = np.asarray(kinds)[np.minimum((rng.random(T) * len(kinds)).astype(int), len(kinds) - 1)]
     other[kind == "fade"] = OFF_CANVAS_BLOCK
     out = np.empty(np.shape(frames), np.uint8)
@@ -134,9 +142,9 @@ def corrupt_block(frames: np.ndarray, agent_pos: np.ndarray, block_pose: np.ndar
         mixed = wb * frames[blend] + (1 - wb) * render_states(agent_pos[blend], other[blend], frame_size, env)
         out[blend] = np.rint(mixed).clip(0, 255).astype(np.uint8)
     if (~blend).any():
-        bar, stem = bend_poses(np.asarray(block_pose)[~blend], rng)
+        bar, stem = bend_poses(block_pose[~blend], rng)
         alpha = rng.uniform(*part_alpha, (2, int((~blend).sum())))
-        out[~blend] = render_bent(np.asarray(agent_pos)[~blend], bar, stem, alpha[0], alpha[1], frame_size, env)
+        out[~blend] = render_bent(agent_pos[~blend], bar, stem, alpha[0], alpha[1], frame_size, env)
     return out
 
 
@@ -165,6 +173,7 @@ def render_bent(agent_pos: np.ndarray, bar_pose: np.ndarray, stem_pose: np.ndarr
     that part's pose (a polygon mask, grown by 3 px to take the outline) and laid over the 512 px render
     without the block, then resized the way gym-pusht resizes (cv2, bilinear)."""
     import cv2
+    import pygame
 
     env = env or make_env(frame_size)
     env.reset(seed=0)
@@ -173,7 +182,7 @@ def render_bent(agent_pos: np.ndarray, bar_pose: np.ndarray, stem_pose: np.ndarr
         screens = []
         for b in (OFF_CANVAS_BLOCK, pb, ps):
             _place(env, a, b)
-            screens.append(np.transpose(np.array(_pixels3d(env._draw())), (1, 0, 2)))
+            screens.append(np.transpose(np.array(pygame.surfarray.pixels3d(env._draw())), (1, 0, 2)))
         s0, s_bar, s_stem = screens
         polys = [t_polygons(pb)[0], t_polygons(ps)[1]]
         # only the box around both parts changes: composite there
@@ -188,12 +197,6 @@ def render_bent(agent_pos: np.ndarray, bar_pose: np.ndarray, stem_pose: np.ndarr
         img[box] = np.rint(crop).clip(0, 255).astype(np.uint8)
         out.append(cv2.resize(img, (frame_size, frame_size)))
     return np.stack(out)
-
-
-def _pixels3d(screen):
-    import pygame
-
-    return pygame.surfarray.pixels3d(screen)
 
 
 def _polygon_mask(poly: np.ndarray, size, grow_px: int = 3) -> np.ndarray:

@@ -109,7 +109,7 @@ class LatentEpisodes:
 
         self.latents, self.actions = [], episodes.actions
         self.erased = None  # the same frames without the agent, for drop_agent (agent_erased_latents)
-        self.corrupted = None  # the same frames with a faded or ghosted block, for corrupt_block (block_corrupted_latents)
+        self.corrupted = None  # the same frames with a corrupted block, for corrupt_block (block_corrupted_latents)
         self.hard = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `focus` draws from (see below)
         if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
             c = torch.load(cache, map_location="cpu", weights_only=True)
@@ -157,7 +157,7 @@ class LatentEpisodes:
         teaches the network to put it back where the actions say.
 
         corrupt_block: likewise, the probability that the last j context frames are replaced by the same
-        frames with a faded or ghosted block (`self.corrupted`, see `block_corrupted_latents`); the target
+        frames with a faded, ghosted or bent block (`self.corrupted`, see `block_corrupted_latents`); the target
         is the real next frame with its rigid, full-contrast T. corrupt_all: every window, j = n_valid.
         A window gets at most one of the two (drawn with one uniform: drop_agent first). The fade of a
         pushed block is the one-step average of the places it might go, fed back step after step; this
@@ -261,12 +261,9 @@ def block_corrupted_latents(frames, agent_pos, block_poses, encoder, device, amp
 
 def corrupt_kinds(spec: str) -> tuple[str, ...]:
     """--corrupt-kinds "fade,ghost,bend" -> ("fade", "ghost", "bend"), checked against groundtruth.CORRUPT_KINDS."""
-    from .groundtruth import CORRUPT_KINDS
+    from .groundtruth import check_corrupt_kinds
 
-    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
-    if not kinds or set(kinds) - set(CORRUPT_KINDS) or len(set(kinds)) != len(kinds):
-        raise ValueError(f"--corrupt-kinds must be distinct names from {', '.join(CORRUPT_KINDS)}, got {spec!r}")
-    return kinds
+    return check_corrupt_kinds((k.strip() for k in spec.split(",") if k.strip()), "--corrupt-kinds")
 
 
 def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
@@ -385,16 +382,16 @@ class Stage2Stage(StageBase):
         self.held.erased = agent_erased_latents([e["block_pose"] for e in held_eps], self.stage1.encoder, device,
                                                 a.amp, frame_size=cfg1.encoder.frame_size)
         self.eval_no_agent = self.held.sample(np.random.default_rng(3), 64, cfg.context, drop_all=True)
-        # ... and windows whose whole context shows a faded or ghosted block (what --corrupt-block trains)
-        self.held.corrupted = block_corrupted_latents([e["frames"] for e in held_eps], [e["agent_pos"] for e in held_eps],
-                                                      [e["block_pose"] for e in held_eps], self.stage1.encoder, device,
-                                                      a.amp, frame_size=cfg1.encoder.frame_size, seed=1)
-        self.eval_corrupt = self.held.sample(np.random.default_rng(4), 64, cfg.context, corrupt_all=True)
-        # ... and windows whose whole context shows a bent T (bar and stem apart; --corrupt-kinds ...,bend)
-        self.held.corrupted = block_corrupted_latents([e["frames"] for e in held_eps], [e["agent_pos"] for e in held_eps],
-                                                      [e["block_pose"] for e in held_eps], self.stage1.encoder, device,
-                                                      a.amp, frame_size=cfg1.encoder.frame_size, seed=1, kinds=("bend",))
-        self.eval_bend = self.held.sample(np.random.default_rng(5), 64, cfg.context, corrupt_all=True)
+        # ... and windows whose whole context shows a corrupted block (what --corrupt-block trains)
+        held_states = [[e[k] for e in held_eps] for k in ("frames", "agent_pos", "block_pose")]
+
+        def corrupted_windows(kinds, sample_seed):
+            self.held.corrupted = block_corrupted_latents(*held_states, self.stage1.encoder, device, a.amp,
+                                                          frame_size=cfg1.encoder.frame_size, seed=1, kinds=kinds)
+            return self.held.sample(np.random.default_rng(sample_seed), 64, cfg.context, corrupt_all=True)
+
+        self.eval_corrupt = corrupted_windows(("fade", "ghost"), 4)  # a faded or ghosted T
+        self.eval_bend = corrupted_windows(("bend",), 5)  # a bent T (bar and stem apart; --corrupt-kinds ...,bend)
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
 
@@ -447,7 +444,7 @@ class Stage2Stage(StageBase):
             # < 1: one step under-predicts the change (averaging); ~0 variance: one step does not sample
             out["change_ratio_block_moving"] = st["predicted_change_ratio"]
             out["sample_variance_block_moving"] = st["sample_variance"]
-        # contexts a rollout produces: the agent faded out / the block faded or ghosted (what the augmentations train)
+        # contexts a rollout produces: the agent faded out / the block faded, ghosted or bent (what the augmentations train)
         for name, windows in (("no_agent", self.eval_no_agent), ("corrupt_block", self.eval_corrupt),
                               ("bent_block", self.eval_bend)):
             ctx, act, tgt, nv = (t.to(self.device) for t in windows)
