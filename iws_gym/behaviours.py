@@ -235,6 +235,23 @@ class Jumpy(Behaviour):
         return self.target.copy()
 
 
+class JitteryPush(Pusher):
+    """Pushing in which each step's target is, with probability `p`, a uniformly random point of the box
+    instead (the pusher's own plan keeps advancing). The default mix has fast, jumpy motion only away from
+    pushes (`jumpy` segments); this covers the agent leaping off and back onto a block in mid-push, the
+    motion of a degraded or exploring policy. Collected only on request (`iws collect --mix jittery`)."""
+
+    name = "push_jittery"
+
+    def __init__(self, rng, p=None):
+        super().__init__(rng, noise=0.0)
+        self.p = rng.uniform(0.1, 0.7) if p is None else p
+
+    def act(self, state):
+        a = super().act(state)
+        return self.rng.uniform(0, 512, size=2) if self.rng.random() < self.p else a
+
+
 # Episode-level mix: (name, probability, factory). Segments inside an episode are drawn from SEGMENT_MIX.
 def _near_goal_pusher(rng):
     return Pusher(rng, noise=0.0, max_speed=rng.uniform(8, 15), push_len=int(rng.integers(3, 6)))

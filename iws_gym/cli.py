@@ -16,7 +16,7 @@ def _task(name):
 def cmd_collect(a):
     from .collect import collect
 
-    meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume)
+    meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume, mix=a.mix)
     print(json.dumps(meta, indent=2))
 
 
@@ -71,8 +71,14 @@ def cmd_eval_scorer(a):
 
 
 def cmd_eval_correlate(a):
-    from .policy_eval import correlate
+    from .policy_eval import correlate, plot_correlation, reanalyse
 
+    if a.from_json:  # re-analyse a stored report: nothing is rerun
+        report = reanalyse(a.from_json)
+        if a.plot:
+            plot_correlation(report, Path(a.plot))
+            report["plot"] = a.plot
+        return _emit(report, a.json)
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
                     reencode=a.reencode), a.json)
@@ -145,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="episode i uses seed S+i (must stay below the held-out range)")
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
+    c.add_argument("--mix", default="play", choices=["play", "jittery"],
+                   help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps")
     c.set_defaults(fn=cmd_collect)
 
     s = sub.add_parser("data-stats", help="behaviour-mix statistics, plots and loader throughput of a dataset")
@@ -185,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--checkpoint", default=None, help="checkpoint dir; omit to report the baselines only")
     ef.add_argument("--horizon", type=int, default=192)
     ef.add_argument("--episodes", type=int, default=16)
-    ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen"], help="held-out play as in training, or an unseen scripted policy")
+    ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen", "jittery"],
+                    help="held-out play as in training, an unseen scripted policy, or jittery pushes (iws collect --mix jittery)")
     ef.add_argument("--decoder-steps", type=int, default=None)
     ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
     ef.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"],
@@ -246,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     esc.add_argument("--checkpoint", default=None, help="default: the shipped weights (model frames need stage 2)")
     esc.add_argument("--episodes", type=int, default=8)
     esc.add_argument("--steps", type=int, default=100)
-    esc.add_argument("--behaviour", default="mix", choices=["mix", "unseen"])
+    esc.add_argument("--behaviour", default="mix", choices=["mix", "unseen", "jittery"])
     esc.add_argument("--json", default=None)
     esc.set_defaults(fn=cmd_eval_scorer)
 
@@ -263,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--device", default="auto")
     ec.add_argument("--plot", default=None)
     ec.add_argument("--json", default=None)
+    ec.add_argument("--from-json", default=None, metavar="REPORT",
+                    help="recompute the suite-level figures of a stored correlate report from its per-episode scores")
     ec.set_defaults(fn=cmd_eval_correlate)
 
     epr = esub.add_parser("probe", help="start from edited real frames (shifted goal, recoloured block, distractor)")

@@ -12,12 +12,22 @@ from pathlib import Path
 
 import numpy as np
 
-from .behaviours import SEGMENT_MIX, Sweep, near_goal_state, sample_episode_plan
+from .behaviours import SEGMENT_MIX, JitteryPush, Sweep, near_goal_state, sample_episode_plan
 from .data import episode_path, write_episode, write_json_atomic
 from .groundtruth import get_state, make_env
 from .tasks import TaskConfig
 
-SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal"]
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery"]  # append only: files store indices
+MIXES = ("play", "jittery")  # `iws collect --mix`: the default play mix, or whole-episode jittery pushes
+
+
+def episode_plan(mix: str, seed: int, steps: int):
+    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng)."""
+    if mix not in MIXES:
+        raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
+    if mix == "play":
+        return None
+    return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
 
 
 def git_commit() -> str:
@@ -64,20 +74,26 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     )
 
 
+HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery")
+
+
 def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, progress: bool = False,
                      behaviour: str = "mix"):
     """Held-out ground-truth episodes, generated on the fly from seeds disjoint from any training seed.
 
-    behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy."""
+    behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy; "jittery":
+    whole-episode jittery pushes (`iws collect --mix jittery`)."""
     from tqdm import tqdm
 
-    if behaviour not in ("mix", "unseen"):
-        raise ValueError(f"behaviour must be 'mix' or 'unseen', got {behaviour!r}")
+    if behaviour not in HELDOUT_BEHAVIOURS:
+        raise ValueError(f"behaviour must be one of {HELDOUT_BEHAVIOURS}, got {behaviour!r}")
     env = make_env(task.frame_size)
     for i in tqdm(range(n), desc=f"held-out episodes ({behaviour})", disable=not progress):
         seed = task.heldout_seed_base + offset + i
         if behaviour == "mix":
             yield collect_episode(task, seed, steps, env)
+        elif behaviour == "jittery":
+            yield collect_episode(task, seed, steps, env, plan=episode_plan("jittery", seed, steps))
         else:
             yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
 
@@ -103,7 +119,7 @@ def check_out_dir(out: Path, resume: bool) -> set[int]:
 
 
 def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: int | None = None,
-            resume: bool = False, progress: bool = True) -> dict:
+            resume: bool = False, progress: bool = True, mix: str = "play") -> dict:
     from tqdm import tqdm
 
     if episodes <= 0:
@@ -113,18 +129,19 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
         raise ValueError(f"--steps must be > 0, got {steps}")
     if seed < 0 or seed + episodes > task.heldout_seed_base:
         raise ValueError(f"seeds {seed}..{seed + episodes - 1} overlap the held-out range (>= {task.heldout_seed_base}) or are negative")
+    episode_plan(mix, seed, steps)  # checks `mix` before anything is written
     out = Path(out)
     done = check_out_dir(out, resume)
     env = make_env(task.frame_size)
     t0 = time.time()
     todo = [i for i in range(episodes) if i not in done]
     for i in tqdm(todo, desc=f"collect {task.name}", unit="ep", disable=not progress):
-        ep = collect_episode(task, seed + i, steps, env)
+        ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps))
         attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
                      plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
         write_episode(episode_path(out, i), ep, attrs)
     wall = time.time() - t0
-    meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, seeds=[seed, seed + episodes - 1],
+    meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, mix=mix, seeds=[seed, seed + episodes - 1],
                 frame_size=task.frame_size, ground_truth=task.ground_truth, gym_pusht_version=_version("gym-pusht"),
                 commit=git_commit(), wall_s=round(wall, 1),
                 episodes_per_min=round(len(todo) / max(wall, 1e-9) * 60, 1) if todo else None)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -124,21 +126,29 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     return scores, (time.time() - t0) / n
 
 
-def run_ground_truth(task, factory, states, horizon, seed, record: list | None = None, record_episodes: int = 0):
-    """Scores of one policy in gym-pusht from each initial state, and seconds per episode. If `record` is
-    a list, it receives the observed frames of the first `record_episodes` episodes, one (T+1, H, W, 3)
-    array per episode (an episode that ended early repeats its last frame)."""
+def run_ground_truth(task, factory, states, horizon, seed, record: list | None = None, record_episodes: int = 0,
+                     pixel_scores: list | None = None):
+    """Scores of one policy in gym-pusht from each initial state (its true coverage), and seconds per
+    episode. If `record` is a list, it receives the observed frames of the first `record_episodes`
+    episodes, one (T+1, H, W, 3) array per episode (an episode that ended early repeats its last frame).
+    If `pixel_scores` is a list, it receives each episode's score as the learned env reads it: the max
+    coverage of gym-pusht's own frames by the default pixel scorer (so a gap can be split into the
+    scorer's part and the dynamics' part)."""
     env = make_env(task.frame_size)
+    scorer = TPushCoverageScorer(frame_size=task.frame_size) if pixel_scores is not None else None
     scores = np.zeros(len(states))
     t0 = time.time()
     for i, st in enumerate(states):
         obs, info = env.reset(options={"reset_to_state": st})
         runner = _Runner(factory, seed + i)
         best = float(env._get_coverage())
+        best_px = scorer.coverage(obs["pixels"]) if scorer else None
         frames = [obs["pixels"]] if record is not None and i < record_episodes else None
         for _ in range(horizon):
             obs, r, term, trunc, info = env.step(runner.act(obs))
             best = max(best, info["coverage"])
+            if scorer:
+                best_px = max(best_px, scorer.coverage(obs["pixels"]))
             if frames is not None:
                 frames.append(obs["pixels"])
             if term:
@@ -146,6 +156,8 @@ def run_ground_truth(task, factory, states, horizon, seed, record: list | None =
         if frames is not None:
             record.append(np.stack(frames + [frames[-1]] * (horizon + 1 - len(frames))))
         scores[i] = best
+        if scorer:
+            pixel_scores.append(float(best_px))
     return scores, (time.time() - t0) / len(states)
 
 
@@ -262,6 +274,92 @@ def suite_bootstrap(learned: np.ndarray, gt: np.ndarray, n: int = 2000, seed: in
     return res
 
 
+def suite_figures(per: dict) -> dict:
+    """The suite-level figures of `correlate` from its per-policy results (which hold every episode's
+    scores), so a stored report can be re-analysed without rerunning (`reanalyse`)."""
+    L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
+    G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
+    all_l = np.concatenate([p["scores_learned"] for p in per.values()])
+    all_g = np.concatenate([p["scores_ground_truth"] for p in per.values()])
+    all_p = np.concatenate([p["scores_learned_pose"] for p in per.values()])
+    overall = dict(policies=len(per), pearson_r=pearson(L, G), spearman_rho=spearman(L, G),
+                   mean_bias=float((L - G).mean()), mean_abs_gap=float(np.abs(L - G).mean()),
+                   episode_level_pearson_r=pearson(all_l, all_g),
+                   success_rate_pearson_r=pearson([p["learned"]["success_rate"] for p in per.values()],
+                                                  [p["ground_truth"]["success_rate"] for p in per.values()]),
+                   optimistic_policies=[k for k, p in per.items() if p["gap"] > 0.1],
+                   significantly_optimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] > 0],
+                   significantly_pessimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] < 0],
+                   # the learned score re-read by the pose-fit scorer at each episode's best frame
+                   pose_scorer_mean_abs_diff=float(np.mean(np.abs(all_l - all_p))),
+                   pearson_r_pose_scorer=pearson([np.mean(p["scores_learned_pose"]) for p in per.values()], G),
+                   seconds_per_episode_learned=float(np.mean([p["seconds_per_episode_learned"] for p in per.values()])),
+                   seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
+    overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
+                              mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
+    if all("scores_ground_truth_pixels" in p for p in per.values()):  # both worlds read by the same scorer
+        Gpx = np.array([np.mean(p["scores_ground_truth_pixels"]) for p in per.values()])
+        overall["same_scorer"] = dict(
+            pearson_r=pearson(L, Gpx), spearman_rho=spearman(L, Gpx), mean_bias=float((L - Gpx).mean()),
+            mean_abs_gap=float(np.abs(L - Gpx).mean()), scorer_mean_bias=float((Gpx - G).mean()),
+            significantly_optimistic=[k for k, p in per.items() if p["dynamics_gap_significant"] and p["dynamics_gap"] > 0],
+            significantly_pessimistic=[k for k, p in per.items() if p["dynamics_gap_significant"] and p["dynamics_gap"] < 0])
+    scores = ([p["scores_learned"] for p in per.values()], [p["scores_ground_truth"] for p in per.values()])
+    if len(all_g) >= 2 * len(per):  # the same figures over resampled starts: how firmly each target is met or missed
+        overall["bootstrap_over_starts"] = suite_bootstrap(*scores)
+    if len(all_g) >= 4 * len(per):  # how well the ground truth ranks the suite against itself (the ceiling)
+        overall["split_half"] = split_half(*scores)
+    return overall
+
+
+def split_half(learned: np.ndarray, gt: np.ndarray, n: int = 2000, seed: int = 0) -> dict:
+    """The ranking's noise ceiling. learned and gt are (P, E) scores of P policies from the same E starts.
+    Split the starts at random into halves A and B and compare policy means over E/2 starts each:
+    gt(A) vs gt(B) is how well the ground truth agrees with itself on independent starts (no evaluator
+    can be expected to beat it at this sample size), learned(A) vs gt(B) is the learned env on the same
+    footing. Returns the median and 5th / 95th percentiles of Spearman rho and Pearson r over n splits."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 2 or gt.shape[1] < 4:
+        raise ValueError(f"split_half needs two equal (policies, episodes) score arrays with >= 4 episodes, "
+                         f"got {learned.shape} and {gt.shape}")
+    rng = np.random.default_rng(seed)
+    h = gt.shape[1] // 2
+    out = {k: [] for k in ("gt_vs_gt_spearman", "learned_vs_gt_spearman", "gt_vs_gt_pearson", "learned_vs_gt_pearson")}
+    for _ in range(n):
+        idx = rng.permutation(gt.shape[1])
+        a, b = idx[:h], idx[h : 2 * h]
+        ga, gb, la = gt[:, a].mean(1), gt[:, b].mean(1), learned[:, a].mean(1)
+        out["gt_vs_gt_spearman"].append(spearman(ga, gb))
+        out["learned_vs_gt_spearman"].append(spearman(la, gb))
+        out["gt_vs_gt_pearson"].append(pearson(ga, gb))
+        out["learned_vs_gt_pearson"].append(pearson(la, gb))
+    res = {k: [float(q) for q in np.nanpercentile(v, [5, 50, 95])] for k, v in out.items()}
+    res.update(starts_per_half=h, splits=n, seed=seed)
+    return res
+
+
+def reanalyse(path) -> dict:
+    """A stored `correlate` report with its suite-level figures recomputed by this version's code from
+    the per-episode scores it holds (`iws eval correlate --from-json REPORT`); nothing is rerun."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+        per = report["per_policy"]
+        for name, p in per.items():
+            for k in ("scores_learned", "scores_ground_truth", "scores_learned_pose"):
+                if not isinstance(p.get(k), list) or len(p[k]) != len(per[next(iter(per))]["scores_ground_truth"]):
+                    raise KeyError(f"per_policy.{name}.{k}")
+    except FileNotFoundError:
+        raise ValueError(f"correlate report {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON correlate report ({e})") from None
+    except (KeyError, TypeError, StopIteration) as e:
+        raise ValueError(f"{path} is not a correlate report with per-episode scores: missing or bad {e}") from None
+    report["overall"] = suite_figures(per)
+    report["reanalysed_from"] = str(path)
+    return report
+
+
 def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
                reencode: bool = True, threads: int | None = None):
     """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
@@ -281,7 +379,8 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
         scorer = TPushCoverageScorer(method="pose")
         pose = np.array([scorer.coverage(f) for f in frames])
         return scores, sec, pose
-    return (*run_ground_truth(task, factory, states, horizon, seed), None)
+    pixels: list = []  # the same episodes read by the learned env's pixel scorer
+    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels))
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
@@ -322,35 +421,18 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
             res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
     per = {}
     for name in policies:  # the suite's order, whatever finished first
-        (learned, t_l, pose), (gt, t_g, _) = res[(name, "learned")], res[(name, "ground_truth")]
+        (learned, t_l, pose), (gt, t_g, gt_px) = res[(name, "learned")], res[(name, "ground_truth")]
         pg = paired_gap(learned, gt)
+        sg, dg = paired_gap(gt_px, gt), paired_gap(learned, gt_px)
         per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=pg["mean"], gap_stderr=pg["stderr"],
                          gap_significant=pg["significant"], episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
                          seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist(),
-                         scores_learned_pose=pose.tolist())
-    L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
-    G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
-    all_l = np.concatenate([p["scores_learned"] for p in per.values()])
-    all_g = np.concatenate([p["scores_ground_truth"] for p in per.values()])
-    all_p = np.concatenate([p["scores_learned_pose"] for p in per.values()])
-    overall = dict(policies=len(per), pearson_r=pearson(L, G), spearman_rho=spearman(L, G),
-                   mean_bias=float((L - G).mean()), mean_abs_gap=float(np.abs(L - G).mean()),
-                   episode_level_pearson_r=pearson(all_l, all_g),
-                   success_rate_pearson_r=pearson([p["learned"]["success_rate"] for p in per.values()],
-                                                  [p["ground_truth"]["success_rate"] for p in per.values()]),
-                   optimistic_policies=[k for k, p in per.items() if p["gap"] > 0.1],
-                   significantly_optimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] > 0],
-                   significantly_pessimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] < 0],
-                   # the learned score re-read by the pose-fit scorer at each episode's best frame
-                   pose_scorer_mean_abs_diff=float(np.mean(np.abs(all_l - all_p))),
-                   pearson_r_pose_scorer=pearson([np.mean(p["scores_learned_pose"]) for p in per.values()], G),
-                   seconds_per_episode_learned=float(np.mean([p["seconds_per_episode_learned"] for p in per.values()])),
-                   seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
-    overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
-                              mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
-    if episodes >= 2:  # the same figures over resampled starts: how firmly each target is met or missed
-        overall["bootstrap_over_starts"] = suite_bootstrap([p["scores_learned"] for p in per.values()],
-                                                           [p["scores_ground_truth"] for p in per.values()])
+                         scores_learned_pose=pose.tolist(), scores_ground_truth_pixels=gt_px.tolist(),
+                         # gap = scorer part (gym-pusht's frames read by the pixel scorer - true coverage)
+                         #     + dynamics part (learned - gym-pusht's frames read by the same scorer)
+                         scorer_gap=sg["mean"], scorer_gap_stderr=sg["stderr"],
+                         dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"])
+    overall = suite_figures(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
                   precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),

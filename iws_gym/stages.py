@@ -266,6 +266,11 @@ def corrupt_kinds(spec: str) -> tuple[str, ...]:
     return check_corrupt_kinds((k.strip() for k in spec.split(",") if k.strip()), "--corrupt-kinds")
 
 
+def extra_data_dirs(spec: str) -> list[str]:
+    """--extra-data "data/a,data/b" -> ["data/a", "data/b"] (empty: none)."""
+    return [d.strip() for d in (spec or "").split(",") if d.strip()]
+
+
 def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
     """Transitions (episode, t) in which the T block moves (frame t -> t+1), from each episode's block
     poses (T+1, 3): (N, 2) int. About a fifth of the training mix; the one-step error concentrates there."""
@@ -306,8 +311,6 @@ class Stage2Stage(StageBase):
         self.stage1, self.stage1_meta, self.stage1_file = load_stage(a.init or self.task.checkpoint_path, "stage1",
                                                                      Stage1Config, Stage1, device)
         cfg1 = self.stage1.cfg
-        eps = InMemoryEpisodes.load(a.data, a.max_episodes)
-        self.data = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp, cache=latent_cache(a.data, self.stage1_file, len(eps.frames)))
         if not 0.0 <= a.focus <= 1.0:
             raise ValueError(f"--focus must be in [0, 1], got {a.focus}")
         if not 0.0 <= a.drop_agent <= 1.0:
@@ -316,24 +319,26 @@ class Stage2Stage(StageBase):
             raise ValueError(f"--corrupt-block must be in [0, 1] and --drop-agent + --corrupt-block <= 1, "
                              f"got {a.corrupt_block} and {a.drop_agent}")
         kinds = corrupt_kinds(a.corrupt_kinds)
-        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0:  # these work from the recorded states
-            from .data import read_episode
-
-            states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
-            poses = [s["block_pose"] for s in states]
-            if a.focus > 0:
-                self.data.hard = moving_transitions(poses)
-            if a.drop_agent > 0:
-                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), "noagent")
-                self.data.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
-                                                        cfg1.encoder.frame_size)
-            if a.corrupt_block > 0:
-                # the original two kinds keep their cache name
-                name = "corruptblock" + ("" if kinds == ("fade", "ghost") else "-" + "-".join(kinds))
-                cache = latent_cache(a.data, self.stage1_file, len(eps.frames), name)
-                self.data.corrupted = block_corrupted_latents(eps.frames, [s["agent_pos"] for s in states], poses,
-                                                              self.stage1.encoder, device, a.amp, cache,
-                                                              cfg1.encoder.frame_size, kinds=kinds)
+        # --data and then each --extra-data directory, every one with its own latent caches
+        self.extra_meta = []
+        for d in extra_data_dirs(a.extra_data):
+            m = load_meta(d)
+            if m["task"] != self.meta["task"]:
+                raise ValueError(f"--extra-data {d} holds task {m['task']!r}, --data holds {self.meta['task']!r}")
+            self.extra_meta.append(dict(data=d, seed=m.get("seed"), episodes=m.get("episodes"), mix=m.get("mix", "play")))
+        parts = [self._load_dataset(d, a.max_episodes if i == 0 else None, kinds, device)
+                 for i, d in enumerate([a.data] + [m["data"] for m in self.extra_meta])]
+        self.data, poses = parts[0]
+        for lat, p in parts[1:]:  # normalisation stays the first dataset's (a fine-tune keeps the release's anyway)
+            self.data.latents = list(self.data.latents) + list(lat.latents)
+            self.data.actions = list(self.data.actions) + list(lat.actions)
+            if self.data.erased is not None:
+                self.data.erased = list(self.data.erased) + list(lat.erased)
+            if self.data.corrupted is not None:
+                self.data.corrupted = list(self.data.corrupted) + list(lat.corrupted)
+            poses = poses + p
+        if a.focus > 0:
+            self.data.hard = moving_transitions(poses)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
@@ -394,6 +399,32 @@ class Stage2Stage(StageBase):
         self.eval_bend = corrupted_windows(("bend",), 5)  # a bent T (bar and stem apart; --corrupt-kinds ...,bend)
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
+
+    def _load_dataset(self, data, max_episodes, kinds, device):
+        """One dataset directory's latents (and, as the options need them, its agent-erased and
+        block-corrupted latents), each cached in that directory, and its recorded block poses."""
+        a, cfg1 = self.a, self.stage1.cfg
+        eps = InMemoryEpisodes.load(data, max_episodes)
+        lat = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp,
+                             cache=latent_cache(data, self.stage1_file, len(eps.frames)))
+        poses = []
+        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0:  # these work from the recorded states
+            from .data import read_episode
+
+            states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
+            poses = [s["block_pose"] for s in states]
+            if a.drop_agent > 0:
+                cache = latent_cache(data, self.stage1_file, len(eps.frames), "noagent")
+                lat.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
+                                                  cfg1.encoder.frame_size)
+            if a.corrupt_block > 0:
+                # the original two kinds keep their cache name
+                name = "corruptblock" + ("" if kinds == ("fade", "ghost") else "-" + "-".join(kinds))
+                cache = latent_cache(data, self.stage1_file, len(eps.frames), name)
+                lat.corrupted = block_corrupted_latents(eps.frames, [s["agent_pos"] for s in states], poses,
+                                                        self.stage1.encoder, device, a.amp, cache,
+                                                        cfg1.encoder.frame_size, kinds=kinds)
+        return lat, poses
 
     EVAL_DEPTH = 16
 
@@ -465,7 +496,7 @@ class Stage2Stage(StageBase):
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
                      grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch, drop_agent=self.a.drop_agent,
                      corrupt_block=self.a.corrupt_block, corrupt_kinds=self.a.corrupt_kinds if self.a.corrupt_block else None,
-                     one_step_loss=self.a.one_step_loss)
+                     one_step_loss=self.a.one_step_loss, extra_data=self.extra_meta or None)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])

@@ -33,6 +33,8 @@ from .hardware import autocast, compute_dtype, dtype_name, resolve_device
 @dataclass
 class TrainArgs:
     data: str = "data/tpushing"       # dataset directory written by `iws collect`
+    extra_data: str = ""              # stage 2: more dataset directories whose episodes join --data's for training,
+                                      #   comma-separated (e.g. an `iws collect --mix jittery` collection)
     out: str = "runs/stage1"          # run directory: last.pt, TensorBoard logs, exported weights
     steps: int = 20000                # optimizer steps
     batch: int = 32                   # per process

@@ -161,3 +161,38 @@ def test_reports_are_strict_json(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"r": None, "a": [1.0, None], "n": 0.5, "k": [1, "x"]}
     assert not (tmp_path / "r.json.tmp").exists()
+
+
+def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
+    from iws_gym.behaviours import JitteryPush
+    from iws_gym.collect import SEGMENT_NAMES
+
+    out = tmp_path / "jit"
+    meta = collect(TASK, 2, out, seed=11, steps=30, progress=False, mix="jittery")
+    assert meta["mix"] == "jittery" and load_meta(out)["mix"] == "jittery"
+    ep = read_episode(episode_path(out, 0))
+    assert set(ep["segments"].tolist()) == {SEGMENT_NAMES.index("push_jittery")}
+    assert ep["attrs"]["plan"] == "push_jittery:30"
+    # the default play mix keeps its indices (files store them), and the new name comes last
+    assert SEGMENT_NAMES[:2] == ["push", "push_noisy"] and SEGMENT_NAMES[-1] == "push_jittery"
+    # deterministic, like every collection
+    again = collect_episode(TASK, 11, 30, plan=[("push_jittery", JitteryPush(np.random.default_rng([11, 1])), 30)])
+    np.testing.assert_array_equal(again["actions"], ep["actions"])
+    # p = 1: every target is a random jump; p = 0: the smooth pusher (targets move at most max_speed a step)
+    state = np.array([100.0, 100.0, 256.0, 256.0, 0.3])
+    rng = np.random.default_rng(0)
+    jumps = [np.linalg.norm(JitteryPush(rng, p=1.0).act(state) - state[:2]) for _ in range(50)]
+    assert np.median(jumps) > 60
+    push = JitteryPush(np.random.default_rng(1), p=0.0)
+    acts = np.array([push.act(state) for _ in range(20)])
+    assert np.all(np.linalg.norm(np.diff(acts, axis=0), axis=1) <= push.max_speed + 1e-6)
+
+
+def test_collect_names_a_bad_mix(tmp_path):
+    with pytest.raises(ValueError, match="mix must be one of"):
+        collect(TASK, 1, tmp_path / "x", mix="chaos", progress=False)
+    assert not (tmp_path / "x").exists()
+    proc = run_iws("collect", "--episodes", 1, "--mix", "chaos", "--out", tmp_path / "y", check=False)
+    assert proc.returncode == 2 and "--mix" in proc.stderr
+    with pytest.raises(ValueError, match="behaviour must be one of"):
+        next(heldout_episodes(TASK, 1, 5, behaviour="chaos"))

@@ -69,6 +69,20 @@ def test_start_states_are_identical_in_both_worlds():
         np.testing.assert_array_equal(a["pixels"], render_state(s))
 
 
+def test_ground_truth_frames_read_by_the_pixel_scorer_track_true_coverage():
+    from iws_gym.policies import FramePusher
+    from iws_gym.policy_eval import run_ground_truth, start_states
+    from iws_gym.tasks import load_task
+
+    task = load_task("tpushing")
+    st = start_states(task, 3, 0)
+    px: list = []
+    true, _ = run_ground_truth(task, lambda: FramePusher(), st, 8, 0, pixel_scores=px)
+    assert len(px) == 3 and np.all(np.abs(np.array(px) - true) < 0.05)
+    again, _ = run_ground_truth(task, lambda: FramePusher(), st, 8, 0)  # the extra reading changes nothing
+    np.testing.assert_array_equal(again, true)
+
+
 def test_rank_statistics():
     from iws_gym.policy_eval import pearson, spearman
 
@@ -109,6 +123,53 @@ def test_suite_bootstrap_resamples_starts_for_all_policies_at_once():
     assert 0.0 < b1["share_pearson_ge_0_95"] < 1.0 or b1["pearson_r"][2] < 0.95
     with pytest.raises(ValueError, match="policies, episodes"):
         suite_bootstrap(gt[:, :5], gt)
+
+
+def test_split_half_measures_the_ground_truths_own_agreement():
+    from iws_gym.policy_eval import split_half
+
+    rng = np.random.default_rng(0)
+    gt = np.linspace(0.05, 0.5, 6)[:, None] + rng.normal(0, 0.05, (6, 16))  # graded policies, noisy episodes
+    same = split_half(gt, gt, n=200)  # an evaluator that is the ground truth itself sits at the ceiling
+    assert same["learned_vs_gt_spearman"] == same["gt_vs_gt_spearman"] and same["starts_per_half"] == 8
+    assert 0.5 < same["gt_vs_gt_spearman"][1] <= 1.0
+    flipped = split_half(gt[::-1], gt, n=200)  # one that ranks the suite backwards is far below it
+    assert flipped["learned_vs_gt_spearman"][2] < 0 < flipped["gt_vs_gt_spearman"][0]
+    # noise-free scores: every split agrees perfectly
+    exact = split_half(np.repeat(np.linspace(0, 1, 5)[:, None], 4, 1), np.repeat(np.linspace(0, 1, 5)[:, None], 4, 1), n=20)
+    assert exact["gt_vs_gt_spearman"] == pytest.approx([1.0] * 3)
+    with pytest.raises(ValueError, match=">= 4 episodes"):
+        split_half(gt[:, :3], gt[:, :3])
+
+
+def test_reanalyse_recomputes_a_stored_report_and_names_what_is_missing(tmp_path):
+    from iws_gym.policy_eval import paired_gap, reanalyse, suite_figures
+
+    rng = np.random.default_rng(1)
+    per = {}
+    for i, name in enumerate(["a", "b", "c", "d"]):
+        gt = np.clip(0.1 * i + rng.normal(0, 0.05, 8), 0, 1)
+        le = np.clip(gt + rng.normal(0, 0.03, 8), 0, 1)
+        g = paired_gap(le, gt)
+        per[name] = dict(learned=dict(mean_max_coverage=float(le.mean()), success_rate=i / 8),
+                         ground_truth=dict(mean_max_coverage=float(gt.mean()), success_rate=i / 4),
+                         gap=g["mean"], gap_stderr=g["stderr"], gap_significant=g["significant"],
+                         seconds_per_episode_learned=1.0, seconds_per_episode_ground_truth=0.5,
+                         scores_learned=le.tolist(), scores_ground_truth=gt.tolist(), scores_learned_pose=le.tolist())
+    path = tmp_path / "corr.json"
+    path.write_text(json.dumps(dict(per_policy=per, overall={"pearson_r": 0.0})))
+    r = reanalyse(path)
+    assert r["overall"] == suite_figures(per) and r["overall"]["pearson_r"] > 0.9
+    assert r["overall"]["split_half"]["starts_per_half"] == 4 and r["reanalysed_from"] == str(path)
+    out = tmp_path / "re.json"
+    run_iws("eval", "correlate", "--from-json", path, "--json", out)
+    assert json.loads(out.read_text())["overall"]["spearman_rho"] == pytest.approx(r["overall"]["spearman_rho"])
+    del per["c"]["scores_ground_truth"]
+    path.write_text(json.dumps(dict(per_policy=per)))
+    proc = run_iws("eval", "correlate", "--from-json", path, check=False)
+    assert proc.returncode == 2 and "per_policy.c.scores_ground_truth" in proc.stderr
+    proc = run_iws("eval", "correlate", "--from-json", tmp_path / "none.json", check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
 def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
@@ -156,9 +217,13 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
     assert set(r["per_policy"]) == {"idle", "random", "bc_step300"}
     for p in r["per_policy"].values():
         assert len(p["scores_learned"]) == 2 and len(p["scores_ground_truth"]) == 2
-    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap", "pose_scorer_mean_abs_diff", "bootstrap_over_starts"} <= set(r["overall"])
+    assert {"pearson_r", "spearman_rho", "mean_bias", "mean_abs_gap", "pose_scorer_mean_abs_diff", "bootstrap_over_starts",
+            "same_scorer"} <= set(r["overall"])
     for p in r["per_policy"].values():
         assert len(p["scores_learned_pose"]) == 2 and all(0 <= c <= 1 for c in p["scores_learned_pose"])
+        # gym-pusht's frames read by the learned env's scorer: the gap splits into scorer + dynamics parts
+        assert len(p["scores_ground_truth_pixels"]) == 2
+        assert p["gap"] == pytest.approx(p["scorer_gap"] + p["dynamics_gap"])
         assert p["gap_stderr"] >= 0 and isinstance(p["gap_significant"], bool)
     assert (tmp_path / "corr.png").stat().st_size > 0 and r["workers"] == 2
     # one process gives the same scores as the two worker processes (same starts, same seeds)

@@ -219,6 +219,30 @@ def test_drop_agent_swaps_the_last_context_frames_for_agentless_ones():
         assert (v[i, K - nv[i] :] < 0).all() and (v[i, : K - nv[i]] >= 0).all()  # every valid slot, no padding
 
 
+def test_extra_data_joins_the_training_set(tiny_dataset, tiny_checkpoint, tmp_path):
+    """--extra-data: another collection's episodes join --data's (each directory keeps its own caches),
+    and the provenance names it; a directory of another task is refused by name."""
+    from iws_gym.checkpoint import load_release
+
+    extra = tmp_path / "jit"
+    run_iws("collect", "--episodes", 2, "--steps", 24, "--out", extra, "--seed", 40, "--mix", "jittery")
+    out = tmp_path / "ft"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--extra-data", extra, "--init", tiny_checkpoint,
+            "--finetune", tiny_checkpoint, "--focus", 0.5, "--drop-agent", 0.3, "--corrupt-block", 0.3, "--out", out,
+            "--steps", 2, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
+    _, _, meta = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert meta["data_episodes"] == 3 + 2
+    assert meta["extra_data"] == [{"data": str(extra), "seed": 40, "episodes": 2, "mix": "jittery"}]
+    caches = sorted(p.name.rsplit("_", 2)[0] for p in extra.glob("latents*_2.pt"))  # kind_hash_episodes.pt
+    assert caches == ["latents", "latents_corruptblock", "latents_noagent"]
+    meta_file = tmp_path / "other" / "dataset.json"
+    meta_file.parent.mkdir()
+    meta_file.write_text(json.dumps({**json.loads((extra / "dataset.json").read_text()), "task": "other"}))
+    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--extra-data", meta_file.parent, "--init", tiny_checkpoint,
+                   "--out", tmp_path / "bad", "--steps", 1, "--batch", 2, check=False)
+    assert proc.returncode == 2 and "--extra-data" in proc.stderr and "'other'" in proc.stderr
+
+
 def test_corrupt_kinds_parses_and_names_bad_kinds():
     from iws_gym.stages import corrupt_kinds
 
