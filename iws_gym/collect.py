@@ -132,6 +132,15 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
     episode_plan(mix, seed, steps)  # checks `mix` before anything is written
     out = Path(out)
     done = check_out_dir(out, resume)
+    if done:  # resuming: the finished episodes must be this very collection's (same seeds, same mix)
+        from .data import read_episode
+
+        i = min(done)
+        attrs = read_episode(episode_path(out, i), keys=())["attrs"]
+        jittery = str(attrs.get("plan", "")).startswith("push_jittery:")
+        if int(attrs.get("seed", -1)) != seed + i or jittery != (mix == "jittery"):
+            raise ValueError(f"cannot resume {out} with --seed {seed} --mix {mix}: its episode {i} was collected with "
+                             f"seed {attrs.get('seed')} and mix {'jittery' if jittery else 'play'} (expected seed {seed + i})")
     env = make_env(task.frame_size)
     t0 = time.time()
     todo = [i for i in range(episodes) if i not in done]

@@ -196,3 +196,16 @@ def test_collect_names_a_bad_mix(tmp_path):
     assert proc.returncode == 2 and "--mix" in proc.stderr
     with pytest.raises(ValueError, match="behaviour must be one of"):
         next(heldout_episodes(TASK, 1, 5, behaviour="chaos"))
+
+
+def test_resume_refuses_another_seed_or_mix_and_keeps_the_episodes(tmp_path):
+    out = tmp_path / "c"
+    collect(TASK, 2, out, seed=3, steps=4, progress=False)
+    episode_path(out, 1).unlink()
+    (out / "dataset.json").unlink()
+    stamp = episode_path(out, 0).stat().st_mtime_ns
+    with pytest.raises(ValueError, match="seed 3 and mix play"):
+        collect(TASK, 2, out, seed=4, steps=4, resume=True, progress=False)
+    proc = run_iws("collect", "--episodes", 2, "--steps", 4, "--seed", 3, "--mix", "jittery", "--resume", "--out", out, check=False)
+    assert proc.returncode == 2 and "cannot resume" in proc.stderr and "--mix jittery" in proc.stderr
+    assert episode_path(out, 0).stat().st_mtime_ns == stamp and not episode_path(out, 1).exists()
