@@ -21,10 +21,14 @@ SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery"]
 MIXES = ("play", "jittery")  # `iws collect --mix`: the default play mix, or whole-episode jittery pushes
 
 
-def episode_plan(mix: str, seed: int, steps: int):
-    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng)."""
+def check_mix(mix: str) -> None:
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
+
+
+def episode_plan(mix: str, seed: int, steps: int):
+    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng)."""
+    check_mix(mix)
     if mix == "play":
         return None
     return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
@@ -129,7 +133,7 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
         raise ValueError(f"--steps must be > 0, got {steps}")
     if seed < 0 or seed + episodes > task.heldout_seed_base:
         raise ValueError(f"seeds {seed}..{seed + episodes - 1} overlap the held-out range (>= {task.heldout_seed_base}) or are negative")
-    episode_plan(mix, seed, steps)  # checks `mix` before anything is written
+    check_mix(mix)  # before anything is written
     out = Path(out)
     done = check_out_dir(out, resume)
     if done:  # resuming: the finished episodes must be this very collection's (same seeds, same mix)

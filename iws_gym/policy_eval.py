@@ -345,15 +345,19 @@ def reanalyse(path) -> dict:
     try:
         report = json.loads(path.read_text())
         per = report["per_policy"]
+        lengths = set()
         for name, p in per.items():
             for k in ("scores_learned", "scores_ground_truth", "scores_learned_pose"):
-                if not isinstance(p.get(k), list) or len(p[k]) != len(per[next(iter(per))]["scores_ground_truth"]):
+                if not isinstance(p.get(k), list):
                     raise KeyError(f"per_policy.{name}.{k}")
+                lengths.add(len(p[k]))
+        if len(lengths) != 1:
+            raise KeyError("per_policy (no policies, or score lists of different lengths)")
     except FileNotFoundError:
         raise ValueError(f"correlate report {path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a JSON correlate report ({e})") from None
-    except (KeyError, TypeError, StopIteration) as e:
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a correlate report with per-episode scores: missing or bad {e}") from None
     report["overall"] = suite_figures(per)
     report["reanalysed_from"] = str(path)

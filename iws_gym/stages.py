@@ -127,6 +127,15 @@ class LatentEpisodes:
 
             atomic_torch_save(dict(latents=self.latents, z_mean=self.z_mean, z_std=self.z_std), cache)
 
+    def extend(self, other: "LatentEpisodes") -> None:
+        """Append another dataset's episodes (and their erased / corrupted latents, where this one has
+        them); the normalisation stays this dataset's."""
+        self.latents, self.actions = list(self.latents) + list(other.latents), list(self.actions) + list(other.actions)
+        if self.erased is not None:
+            self.erased = list(self.erased) + list(other.erased)
+        if self.corrupted is not None:
+            self.corrupted = list(self.corrupted) + list(other.corrupted)
+
     def _dz_std(self) -> float:
         """Std of the one-step latent change z_{t+1} - z_t over (up to) the first 100 episodes."""
         return float(torch.cat([z[1:].float() - z[:-1].float() for z in self.latents[:100]]).std())
@@ -259,16 +268,16 @@ def block_corrupted_latents(frames, agent_pos, block_poses, encoder, device, amp
     return cached_episode_latents(cache, [len(f) for f in frames], build)
 
 
+def comma_list(spec: str) -> list[str]:
+    """A comma-separated flag value as its non-empty, stripped items: "a, b," -> ["a", "b"]."""
+    return [x.strip() for x in (spec or "").split(",") if x.strip()]
+
+
 def corrupt_kinds(spec: str) -> tuple[str, ...]:
     """--corrupt-kinds "fade,ghost,bend" -> ("fade", "ghost", "bend"), checked against groundtruth.CORRUPT_KINDS."""
     from .groundtruth import check_corrupt_kinds
 
-    return check_corrupt_kinds((k.strip() for k in spec.split(",") if k.strip()), "--corrupt-kinds")
-
-
-def extra_data_dirs(spec: str) -> list[str]:
-    """--extra-data "data/a,data/b" -> ["data/a", "data/b"] (empty: none)."""
-    return [d.strip() for d in (spec or "").split(",") if d.strip()]
+    return check_corrupt_kinds(comma_list(spec), "--corrupt-kinds")
 
 
 def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float = 0.01) -> np.ndarray:
@@ -321,7 +330,7 @@ class Stage2Stage(StageBase):
         kinds = corrupt_kinds(a.corrupt_kinds)
         # --data and then each --extra-data directory, every one with its own latent caches
         self.extra_meta = []
-        for d in extra_data_dirs(a.extra_data):
+        for d in comma_list(a.extra_data):  # --extra-data "data/a,data/b"
             m = load_meta(d)
             if m["task"] != self.meta["task"]:
                 raise ValueError(f"--extra-data {d} holds task {m['task']!r}, --data holds {self.meta['task']!r}")
@@ -330,12 +339,7 @@ class Stage2Stage(StageBase):
                  for i, d in enumerate([a.data] + [m["data"] for m in self.extra_meta])]
         self.data, poses = parts[0]
         for lat, p in parts[1:]:  # normalisation stays the first dataset's (a fine-tune keeps the release's anyway)
-            self.data.latents = list(self.data.latents) + list(lat.latents)
-            self.data.actions = list(self.data.actions) + list(lat.actions)
-            if self.data.erased is not None:
-                self.data.erased = list(self.data.erased) + list(lat.erased)
-            if self.data.corrupted is not None:
-                self.data.corrupted = list(self.data.corrupted) + list(lat.corrupted)
+            self.data.extend(lat)
             poses = poses + p
         if a.focus > 0:
             self.data.hard = moving_transitions(poses)
