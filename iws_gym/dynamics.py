@@ -61,6 +61,9 @@ class DynamicsConfig:
     z_std: float = 1.0
     dz_std: float = 1.0            # std of z_{t+1} - z_t over the data: the denoised quantity is this change
     hires_ch: int = 0              # width of the full-resolution refinement head (HiResHead); 0: none
+    # the agent track (see agent_landing): the fitted motion law of the agent, (c_pt, c_pt-1, c_at, c_at-1,
+    # d_pt, d_at); empty: no track, the network sees actions only
+    agent_motion: tuple = ()
 
 
 class FactorisedConv3d(nn.Module):
@@ -206,6 +209,50 @@ class DynBlock(nn.Module):
 
 
 ACTION_MAP_CH = 5
+AGENT_MAP_CH = 3
+
+
+def agent_landing(pos: torch.Tensor, actions: torch.Tensor, n_valid: torch.Tensor, coef) -> torch.Tensor:
+    """Where the agent will be in the next frame, by its motion law: pos (B, K, 2) the agent's position
+    in each context frame and actions (B, K, 2) the targets commanded there (canvas px; padded slots
+    anything), n_valid (B,) -> (B, 2) canvas px.
+
+    gym-pusht moves the agent by a PD controller toward the commanded target and the agent is not
+    pushed back by what it touches, so its next position is linear in its last two positions and the
+    last two targets: p_{t+1} = c0 p_t + c1 p_{t-1} + c2 a_t + c3 a_{t-1}; from a single frame (at rest)
+    p_1 = d0 p_0 + d1 a_0. The six numbers are fitted to recorded episodes (`fit_agent_motion`)."""
+    c0, c1, c2, c3, d0, d1 = (float(v) for v in coef)
+    p, a = pos.float(), actions.float()
+    two = c0 * p[:, -1] + c1 * p[:, -2] + c2 * a[:, -1] + c3 * a[:, -2] if p.shape[1] > 1 else p[:, -1]
+    one = d0 * p[:, -1] + d1 * a[:, -1]
+    return torch.where((n_valid >= 2)[:, None], two, one)
+
+
+def fit_agent_motion(agent_pos, actions) -> tuple[tuple, dict]:
+    """Least-squares fit of agent_landing's six coefficients (shared by x and y) to episodes: lists of
+    (T+1, 2) agent positions and (T, 2) actions. Returns (coef, stats) with the fit's residuals in
+    canvas px (median and max over every transition)."""
+    import numpy as np
+
+    two_x, two_y, one_x, one_y = [], [], [], []
+    for p, a in zip(agent_pos, actions):
+        p, a = np.asarray(p, np.float64), np.asarray(a, np.float64)
+        if len(a) >= 2:
+            two_x.append(np.stack([p[1:-1], p[:-2], a[1:], a[:-1]], axis=-1).reshape(-1, 4))  # both axes as rows
+            two_y.append(p[2:].reshape(-1))
+        one_x.append(np.stack([p[0], a[0]], axis=-1))
+        one_y.append(p[1])
+    if not two_x:
+        raise ValueError("fit_agent_motion needs at least one episode of 2 or more steps")
+    X2, y2 = np.concatenate(two_x), np.concatenate(two_y)
+    X1, y1 = np.concatenate(one_x), np.concatenate(one_y)
+    w2, *_ = np.linalg.lstsq(X2, y2, rcond=None)
+    w1, *_ = np.linalg.lstsq(X1, y1, rcond=None)
+    r2 = np.linalg.norm((X2 @ w2 - y2).reshape(-1, 2), axis=1)
+    r1 = np.linalg.norm((X1 @ w1 - y1).reshape(-1, 2), axis=1)
+    r = np.concatenate([r2, r1])
+    coef = tuple(round(float(v), 6) for v in (*w2, *w1))
+    return coef, dict(transitions=int(len(r)), residual_px_median=float(np.median(r)), residual_px_max=float(r.max()))
 
 
 def action_maps(actions_in: torch.Tensor, valid: torch.Tensor, size: int, blob: float = 0.1) -> torch.Tensor:
@@ -224,6 +271,11 @@ def action_maps(actions_in: torch.Tensor, valid: torch.Tensor, size: int, blob: 
     return torch.stack([gx.expand(B, T, size, size), gy.expand(B, T, size, size), dx, dy, bl], dim=2)
 
 
+def n_maps(cfg: "DynamicsConfig") -> int:
+    """Input maps per slot: where the action points, and with an agent track where the agent is."""
+    return ACTION_MAP_CH + (AGENT_MAP_CH if cfg.agent_motion else 0)
+
+
 class HiResHead(nn.Module):
     """A refinement at the latent's own resolution (16x16 cells of 8 px). The trunk works on tokens of
     2x2 cells and reads out through one transposed convolution; this head sees, cell by cell, the last
@@ -234,7 +286,7 @@ class HiResHead(nn.Module):
     def __init__(self, cfg: "DynamicsConfig", blocks: int = 2):
         super().__init__()
         c = cfg.hires_ch
-        self.inp = nn.Conv2d(2 * cfg.latent_ch + ACTION_MAP_CH + cfg.ch // 2, c, 3, padding=1)
+        self.inp = nn.Conv2d(2 * cfg.latent_ch + n_maps(cfg) + cfg.ch // 2, c, 3, padding=1)
         self.blocks = nn.ModuleList([ResBlock(c, cfg.emb_dim) for _ in range(blocks)])
         self.norm = group_norm(c)
         self.out = nn.Conv2d(c, cfg.latent_ch, 3, padding=1)
@@ -256,8 +308,9 @@ class DynamicsNet(nn.Module):
     def __init__(self, cfg: DynamicsConfig):
         super().__init__()
         self.cfg = cfg
-        # latent + ACTION_MAP_CH maps of where the action points (see action_maps) -> 8x8 tokens
-        self.inp = nn.Conv2d(cfg.latent_ch + ACTION_MAP_CH, cfg.ch, cfg.patch, stride=cfg.patch)
+        # latent + maps of where the action points (see action_maps) and, with an agent track, of where
+        # the agent is (its offset and blob maps) -> 8x8 tokens
+        self.inp = nn.Conv2d(cfg.latent_ch + n_maps(cfg), cfg.ch, cfg.patch, stride=cfg.patch)
         self.sigma_emb = FourierEmbedding(cfg.emb_dim)
         self.action_emb = nn.Sequential(nn.Linear(2, cfg.emb_dim), nn.SiLU(), nn.Linear(cfg.emb_dim, cfg.emb_dim))
         self.slot_emb = nn.Embedding(3, cfg.emb_dim)  # 0 = context, 1 = padded context, 2 = target
@@ -284,10 +337,12 @@ class DynamicsNet(nn.Module):
         x = torch.cat([x.to(maps.dtype), maps], dim=2)
         return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])
 
-    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise):
+    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise, agent_in=None):
         """ctx (B, K, C, h, w) preconditioned context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised
         action leading into each slot (last: into the target); act_valid (B, K+1) bool; pad (B, K) bool; tgt (B, V, C, h, w)
-        preconditioned noisy target variants with tgt_c_noise (B, V). Returns F (B, V, C, h, w)."""
+        preconditioned noisy target variants with tgt_c_noise (B, V); agent_in (B, K+1, 2) normalised agent
+        position in each slot (last: where the track says it lands; needed with cfg.agent_motion).
+        Returns F (B, V, C, h, w)."""
         B, K = ctx.shape[:2]
         V = tgt.shape[1]
         dt = self.inp.weight.dtype
@@ -299,6 +354,9 @@ class DynamicsNet(nn.Module):
             + self.slot_emb.weight[2] + self.pos_emb[K]
         cond_c, cond_t = F.silu(cond_c).to(dt), F.silu(cond_t).to(dt)
         maps = action_maps(actions_in, act_valid, ctx.shape[-1])                   # (B, K+1, M, h, w)
+        if self.cfg.agent_motion:  # + the agent's offset and blob maps; padded slots have none
+            slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)
+            maps = torch.cat([maps, action_maps(agent_in, slot_real, ctx.shape[-1])[:, :, 2:]], dim=2)
         h_c, h_t = self._tokens(ctx, maps[:, :K]), self._tokens(tgt, maps[:, K:].expand(B, V, *maps.shape[2:]))
         for blk in self.blocks:
             h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
@@ -364,10 +422,21 @@ class Stage2(nn.Module):
 
         x_t (B, V, C, h, w) noisy targets at sigma (B, V); ctx (B, K, C, h, w) normalised context, already
         noised at ctx_sigma (B,); actions (B, K, 2) raw actions (actions[:, i] taken at context frame i);
-        n_valid (B,) how many of the K context slots are real (the earlier ones are padding).
+        n_valid (B,) how many of the K context slots are real (the earlier ones are padding). With an agent
+        track (cfg.agent_motion) actions is (B, K, 4): columns 2:4 hold the agent's position in each
+        context frame (canvas px), and the target slot gets where agent_landing puts it next.
         Returns x0_hat (B, V, C, h, w)."""
         c = self.cfg
         B, K = ctx.shape[:2]
+        agent_in = None
+        if c.agent_motion:
+            if actions.shape[-1] != 4:
+                raise ValueError(f"this dynamics model tracks the agent: actions must be (B, K, 4) [target x, y, "
+                                 f"agent x, y], got shape {tuple(actions.shape)}")
+            pos = actions[..., 2:4].float()
+            land = agent_landing(pos, actions[..., :2], n_valid, c.agent_motion)
+            agent_in = torch.cat([pos, land[:, None]], dim=1) / c.action_scale * 2 - 1  # (B, K+1, 2)
+        actions = actions[..., :2]
         s = sigma.float()[..., None, None, None]
         c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)
         c_out = schedule.c_out(s, c.sigma_data, c.sigma_min)
@@ -381,14 +450,22 @@ class Stage2(nn.Module):
         pad = idx[:, :K] < (K - n_valid)[:, None]
         ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
         F_x = self.net(ctx_in, ctx_noise, actions_in, act_valid, pad, schedule.c_in(s, c.sigma_data) * x_t,
-                       schedule.c_noise(sigma.float()))
+                       schedule.c_noise(sigma.float()), agent_in)
         return c_skip * x_t.float() + c_out * F_x
 
     def forward(self, batch, step: int):
         return self.loss(batch, step)
 
+    def landing(self, actions, n_valid):
+        """Where the agent track puts the agent in the next frame (B, 2), from (B, K, 4) actions with
+        agent positions (see denoise); needs cfg.agent_motion."""
+        if not self.cfg.agent_motion:
+            raise ValueError("this dynamics model has no agent track (cfg.agent_motion is empty)")
+        return agent_landing(actions[..., 2:4], actions[..., :2], n_valid, self.cfg.agent_motion)
+
     def loss(self, batch, step: int):
-        """batch: (ctx (B, K, C, h, w) raw latents, actions (B, K, 2), target (B, C, h, w), n_valid (B,)).
+        """batch: (ctx (B, K, C, h, w) raw latents, actions (B, K, 2) (with an agent track (B, K, 4), see
+        denoise), target (B, C, h, w), n_valid (B,)).
 
         The three targets of the objective - x at sigma_{i+1} (online), at sigma_i (stop-gradient
         target) and at sigma_max (the one-step jump) - run as three variants over one context pass."""
@@ -434,7 +511,8 @@ class Stage2(nn.Module):
 
     @torch.no_grad()
     def predict(self, ctx, actions, n_valid, steps: int = 1, generator=None, ctx_noise=None, sampler: str = "consistency"):
-        """Next latent (B, C, h, w) from raw context latents (B, K, C, h, w) and actions (B, K, 2).
+        """Next latent (B, C, h, w) from raw context latents (B, K, C, h, w) and actions (B, K, 2) (with an
+        agent track (B, K, 4): see denoise).
 
         ctx_noise: optional (B, K, C, h, w) standard normal draws for the context noise (for determinism).
         sampler: "consistency" (the default: `steps` consistency jumps) or "euler" (`steps` Euler steps of

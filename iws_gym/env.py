@@ -121,6 +121,12 @@ def read_agent(frame, fallback) -> np.ndarray:
     return np.clip(p, 0, 512) if p is not None else np.asarray(fallback, np.float64)
 
 
+def track_or(state: dict, i: int, fallback) -> np.ndarray:
+    """Where the world model's agent track has env i's agent (a tracking model), else `fallback`: the
+    agent_pos reported when the frame does not show the agent."""
+    return state["agent"][i].cpu().numpy().astype(np.float64) if "agent" in state else fallback
+
+
 def start_frame(options: dict, size: int, gt_env, np_random, task) -> tuple[np.ndarray, np.ndarray]:
     """The real frame an episode starts from, and its agent position (see the class docstring)."""
     if options.get("initial_frame") is not None:
@@ -183,7 +189,7 @@ class WorldSimEnv(gym.Env):
         self._gen.manual_seed(int(self.np_random.integers(2**31 - 1)))
         frame, agent = start_frame(options, self.size, self._ground_truth_env(), self.np_random, self.task)
         self._frame, self._agent = frame, agent
-        self._state = self.wm.start(self.wm.encode(frame[None]))
+        self._state = self.wm.start(self.wm.encode(frame[None]), agent[None] if self.wm.tracks_agent else None)
         score = self.scorer(frame[None])[0]
         info = {"is_success": False, **score.info}
         if self.render_mode == "human":
@@ -195,7 +201,7 @@ class WorldSimEnv(gym.Env):
             raise RuntimeError("call reset() before step()")
         a = check_action(action, self.task.action_low, self.task.action_high)
         self._frame = self.wm.step(self._state, torch.from_numpy(a)[None], generator=self._gen)[0]
-        self._agent = read_agent(self._frame, self._agent)
+        self._agent = read_agent(self._frame, track_or(self._state, 0, self._agent))
         score = self.scorer(self._frame[None])[0]
         info = {"is_success": score.is_success, **score.info}
         if self.render_mode == "human":

@@ -285,8 +285,8 @@ def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 
     for ep in tqdm(heldout_episodes(task, episodes, steps, offset=3000, behaviour=behaviour), total=episodes, desc="scorer"):
         frames = {"ground_truth": ep["frames"][1:]}
         if wm:
-            frames["model_one_step"] = wm.predict_teacher_forced(ep["frames"], ep["actions"])
-            frames["model_open_loop"] = wm.rollout(ep["frames"][0], ep["actions"])[1:]
+            frames["model_one_step"] = wm.predict_teacher_forced(ep["frames"], ep["actions"], agent_pos=ep["agent_pos"])
+            frames["model_open_loop"] = wm.rollout(ep["frames"][0], ep["actions"], agent_pos=ep["agent_pos"][:1])[1:]
         for s, fr in frames.items():
             r = rows[s]
             r["cov_true"] += list(ep["coverage"][1:])
@@ -347,6 +347,11 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
         cache = latent_cache(data, s1_file, len(eps.frames)) if name == "train" else None
         lat = LatentEpisodes(eps, s1.encoder, "cpu", cache=cache)
         lat.hard = hard
+        if cfg.agent_motion:  # a tracking model reads the agent's recorded positions beside the actions
+            from .data import read_episode
+
+            lat.agent = ([read_episode(p, keys=("agent_pos",))["agent_pos"] for p in eps.paths] if name == "train"
+                         else [e["agent_pos"] for e in held_eps])
         out = dict(block_moving_share=round(len(hard) / sum(len(a) for a in eps.actions), 4))
         for kind, focus in (("all", 0.0), ("block_moving", 1.0)):
             ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(seed), windows, K, 0, focus=focus)

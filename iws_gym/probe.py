@@ -114,7 +114,7 @@ def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, epis
     for e in tqdm(range(episodes), desc="probe"):
         ep = collect_episode(task, task.heldout_seed_base + 7000 + e, steps)
         frame0, acts = ep["frames"][0], ep["actions"][:steps]
-        base = wm.rollout(frame0, acts, seed=e)
+        base = wm.rollout(frame0, acts, seed=e, agent_pos=ep["agent_pos"][:1])
         base_est = {t: estimate(base[t]) for t in at}
         for t in [0] + at:
             base_cov[t].append(scorer(base[t][None])[0].info["coverage"])
@@ -122,7 +122,8 @@ def probe(task: TaskConfig, checkpoint: str | None = None, steps: int = 60, epis
             rows.append(base[[0] + at])
         for kind in EDITS:
             edited, region, colour = edit_frame(frame0, kind, block_pose=ep["block_pose"][0])
-            roll = wm.rollout(edited, acts, seed=e)
+            # a tracking model keeps the agent's true start even where the edit erased its picture
+            roll = wm.rollout(edited, acts, seed=e, agent_pos=ep["agent_pos"][:1])
             r = res[kind]
             for t in [0] + at:
                 if kind == "agent_removed":  # kept = the agent is still missing

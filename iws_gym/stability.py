@@ -115,7 +115,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         actions = _actions(kind, task, steps, rng)
         first = real[0]["frames"][0]
         gen = torch.Generator().manual_seed(seed)
-        state = wm.start(wm.encode(first[None]))
+        state = wm.start(wm.encode(first[None]), real[0]["agent_pos"][:1])
         first_fail, fail_counts, n_checks, n_bad, shown = None, {}, 0, 0, [first]
         t0 = time.time()
         for t in tqdm(range(steps), desc=f"stability ({kind})"):

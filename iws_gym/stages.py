@@ -110,7 +110,9 @@ class LatentEpisodes:
         self.latents, self.actions = [], episodes.actions
         self.erased = None  # the same frames without the agent, for drop_agent (agent_erased_latents)
         self.corrupted = None  # the same frames with a corrupted block, for corrupt_block (block_corrupted_latents)
+        self.agent = None  # per-episode agent positions (T+1, 2); when set, windows carry them (see sample_rollout)
         self.hard = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `focus` draws from (see below)
+        self.jumps = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `jump_focus` draws from
         if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
             c = torch.load(cache, map_location="cpu", weights_only=True)
             if len(c["latents"]) == len(episodes.frames):
@@ -135,6 +137,8 @@ class LatentEpisodes:
             self.erased = list(self.erased) + list(other.erased)
         if self.corrupted is not None:
             self.corrupted = list(self.corrupted) + list(other.corrupted)
+        if self.agent is not None:
+            self.agent = list(self.agent) + list(other.agent)
 
     def _dz_std(self) -> float:
         """Std of the one-step latent change z_{t+1} - z_t over (up to) the first 100 episodes."""
@@ -149,7 +153,8 @@ class LatentEpisodes:
         return ctx, act, tgt[:, 0], nv
 
     def sample_rollout(self, rng, batch: int, K: int, R: int, focus: float = 0.0, drop_agent: float = 0.0,
-                       drop_all: bool = False, corrupt_block: float = 0.0, corrupt_all: bool = False):
+                       drop_all: bool = False, corrupt_block: float = 0.0, corrupt_all: bool = False,
+                       jump_focus: float = 0.0):
         """Windows for training on the model's own predictions: a real context ending at frame t (history
         length uniform in [1, K], as in `sample`), the K + R actions from its first slot on, and the R + 1
         frames that follow it. Returns ctx (B, K, C, h, w), actions (B, K + R, 2), targets (B, R + 1, C, h, w),
@@ -157,7 +162,8 @@ class LatentEpisodes:
         actions[:, r : r + K], and its target targets[:, r].
 
         focus: the probability that a window is drawn from the transitions listed in `self.hard`
-        (episode, t) - set by the caller, e.g. from `block_moves` - instead of uniformly.
+        (episode, t) - set by the caller, e.g. from `block_moves` - instead of uniformly. jump_focus: likewise
+        from `self.jumps` (e.g. `agent_jumps`: the agent moves fast), drawn first.
 
         drop_agent: the probability that a window's last j context frames (j uniform in 1..n_valid) are
         replaced by the same frames rendered without the agent (`self.erased`, see `agent_erased_latents`);
@@ -170,7 +176,11 @@ class LatentEpisodes:
         is the real next frame with its rigid, full-contrast T. corrupt_all: every window, j = n_valid.
         A window gets at most one of the two (drawn with one uniform: drop_agent first). The fade of a
         pushed block is the one-step average of the places it might go, fed back step after step; this
-        teaches the network to redraw a faint or doubled T as the rigid block it stands for."""
+        teaches the network to redraw a faint or doubled T as the rigid block it stands for.
+
+        With `self.agent` set (an agent-track model), actions are (B, K + R, 4): each row also holds the
+        agent's recorded position in that slot's frame (canvas px; zero in padded slots), also where
+        the agent was erased from the frame."""
         if drop_all:
             drop_agent = 1.0
         if corrupt_all:
@@ -182,8 +192,14 @@ class LatentEpisodes:
         if drop_agent + corrupt_block > 1:
             raise ValueError(f"drop_agent + corrupt_block must be <= 1, got {drop_agent} + {corrupt_block}")
         ctx, act, tgt, nv = [], [], [], []
+        if jump_focus + focus > 1:
+            raise ValueError(f"focus + jump_focus must be <= 1, got {focus} + {jump_focus}")
         for e in rng.integers(0, len(self.latents), batch):
-            if focus > 0 and len(self.hard) and rng.random() < focus:
+            u = rng.random() if (focus > 0 and len(self.hard)) or (jump_focus > 0 and len(self.jumps)) else 1.0
+            if jump_focus > 0 and len(self.jumps) and u < jump_focus:
+                e, t = (int(v) for v in self.jumps[rng.integers(0, len(self.jumps))])
+                t = min(t, len(self.actions[e]) - R - 1)
+            elif focus > 0 and len(self.hard) and u < jump_focus + focus:
                 e, t = (int(v) for v in self.hard[rng.integers(0, len(self.hard))])
                 t = min(t, len(self.actions[e]) - R - 1)
             else:
@@ -200,6 +216,9 @@ class LatentEpisodes:
                     c = torch.cat([c[: K - j], alt[e][idx[K - j :]]])
             ctx.append(c)
             a = np.concatenate([A[idx], A[t + 1 : t + R + 1]]).astype(np.float32)
+            if self.agent is not None:  # the agent's position in each slot's frame, beside the action taken there
+                P = self.agent[e]
+                a = np.concatenate([a, np.concatenate([P[idx], P[t + 1 : t + R + 1]])], axis=1).astype(np.float32)
             a[: K - n_valid] = 0.0
             act.append(a)
             tgt.append(Z[t + 1 : t + R + 2])
@@ -291,6 +310,17 @@ def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float =
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
+def agent_jumps(agent_pos, min_canvas_px: float = 30.0) -> np.ndarray:
+    """Transitions (episode, t) in which the agent moves more than `min_canvas_px` from frame t to t+1,
+    from each episode's agent positions (T+1, 2): (N, 2) int. Fast, jumpy motion: 4% of the play mix,
+    60% of jittery play, where the agent used to vanish from the predicted frame."""
+    out = []
+    for e, p in enumerate(agent_pos):
+        step = np.linalg.norm(np.diff(np.asarray(p, np.float64), axis=0), axis=1)
+        out.extend((e, int(t)) for t in np.flatnonzero(step > min_canvas_px))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
 def block_moves(paths) -> np.ndarray:
     """`moving_transitions` of the episodes stored at `paths` (their recorded block poses)."""
     from .data import read_episode
@@ -343,6 +373,12 @@ class Stage2Stage(StageBase):
             poses = poses + p
         if a.focus > 0:
             self.data.hard = moving_transitions(poses)
+        if not 0.0 <= a.jump_focus <= 1.0 or a.focus + a.jump_focus > 1:
+            raise ValueError(f"--jump-focus must be in [0, 1] and --focus + --jump-focus <= 1, got {a.jump_focus} and {a.focus}")
+        if a.jump_focus > 0:
+            if self.data.agent is None:
+                raise ValueError("--jump-focus reads the recorded agent positions: pass --agent-track")
+            self.data.jumps = agent_jumps(self.data.agent)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         if a.preset == "tiny":
@@ -357,8 +393,18 @@ class Stage2Stage(StageBase):
         if a.hires_ch < 0 or (a.hires_ch and cfg.hires_ch and a.hires_ch != cfg.hires_ch):
             raise ValueError(f"--hires-ch must be >= 0 and cannot change the width of a release's head "
                              f"({cfg.hires_ch}), got {a.hires_ch}")
-        base_blocks, base_hires = cfg.blocks, cfg.hires_ch
+        base_blocks, base_hires, base_track = cfg.blocks, cfg.hires_ch, bool(cfg.agent_motion)
         cfg = dataclasses.replace(cfg, blocks=cfg.blocks + a.grow_blocks, hires_ch=a.hires_ch or cfg.hires_ch)
+        self.agent_fit = None
+        if a.agent_track and not cfg.agent_motion:  # fit the agent's motion law to the training episodes
+            from .dynamics import fit_agent_motion
+
+            coef, self.agent_fit = fit_agent_motion(self.data.agent, self.data.actions)
+            print(f"agent motion law {coef}: residual median {self.agent_fit['residual_px_median']:.2g} px, "
+                  f"max {self.agent_fit['residual_px_max']:.2g} px over {self.agent_fit['transitions']} transitions")
+            cfg = dataclasses.replace(cfg, agent_motion=coef)
+        if cfg.agent_motion and self.data.agent is None:
+            raise ValueError(f"--finetune {a.finetune} tracks the agent: pass --agent-track (it reads the recorded agent positions)")
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
@@ -376,12 +422,16 @@ class Stage2Stage(StageBase):
                    if (k.startswith("net.blocks.") and int(k.split(".")[2]) >= base_blocks)
                    or (k.startswith("net.hires.") and not base_hires)}
             init_sd = {**init_sd, **new}
+            if cfg.agent_motion and not base_track:  # new agent-map input channels, starting at zero
+                init_sd = add_agent_map_inputs(init_sd, cfg)
             load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
         held_eps = list(heldout_episodes(self.task, 4, 48))
         held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])
         self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
+        if cfg.agent_motion:
+            self.held.agent = [e["agent_pos"] for e in held_eps]
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
         # ... and windows whose target transition moves the block (contact: where the error concentrates)
         self.held.hard = moving_transitions([e["block_pose"] for e in held_eps])
@@ -412,11 +462,13 @@ class Stage2Stage(StageBase):
         lat = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp,
                              cache=latent_cache(data, self.stage1_file, len(eps.frames)))
         poses = []
-        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0:  # these work from the recorded states
+        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0 or a.agent_track:  # from the recorded states
             from .data import read_episode
 
             states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
             poses = [s["block_pose"] for s in states]
+            if a.agent_track:  # the agent's position is an observation (gym-pusht's agent_pos), not hidden state
+                lat.agent = [s["agent_pos"] for s in states]
             if a.drop_agent > 0:
                 cache = latent_cache(data, self.stage1_file, len(eps.frames), "noagent")
                 lat.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
@@ -454,7 +506,7 @@ class Stage2Stage(StageBase):
         K, R = self.config.context, self.a.rollout
         if R <= 0 or rng.random() < 0.5:
             ctx, act, tgt, nv = self.data.sample_rollout(rng, batch, K, 0, focus=self.a.focus, drop_agent=self.a.drop_agent,
-                                                         corrupt_block=self.a.corrupt_block)
+                                                         corrupt_block=self.a.corrupt_block, jump_focus=self.a.jump_focus)
             return ctx.to(self.device), act.to(self.device), tgt[:, 0].to(self.device), nv.to(self.device)
         r = int(rng.integers(1, R + 1))
         ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r, focus=self.a.focus))
@@ -500,11 +552,32 @@ class Stage2Stage(StageBase):
                      task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
                      grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch, drop_agent=self.a.drop_agent,
                      corrupt_block=self.a.corrupt_block, corrupt_kinds=self.a.corrupt_kinds if self.a.corrupt_block else None,
-                     one_step_loss=self.a.one_step_loss, extra_data=self.extra_meta or None)
+                     one_step_loss=self.a.one_step_loss, extra_data=self.extra_meta or None,
+                     agent_motion=list(self.config.agent_motion) or None, agent_motion_fit=self.agent_fit,
+                     jump_focus=self.a.jump_focus)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])
         save_release(out / "stage2.safetensors", ema.state_dict(), "stage2", self.config, extra)
+
+
+def add_agent_map_inputs(sd: dict, cfg) -> dict:
+    """A state dict of a release without an agent track, with zero weights for the agent-map input
+    channels that `cfg` (with one) adds: at the end of the trunk's input maps and after the action maps
+    in the full-resolution head's input. Zero weights keep the release's function exactly."""
+    from .dynamics import ACTION_MAP_CH, AGENT_MAP_CH
+
+    sd = dict(sd)
+
+    def insert(key, at):
+        w = sd[key]
+        z = w.new_zeros(w.shape[0], AGENT_MAP_CH, *w.shape[2:])
+        sd[key] = torch.cat([w[:, :at], z, w[:, at:]], dim=1)
+
+    insert("net.inp.weight", cfg.latent_ch + ACTION_MAP_CH)
+    if cfg.hires_ch:
+        insert("net.hires.inp.weight", 2 * cfg.latent_ch + ACTION_MAP_CH)
+    return sd
 
 
 def load_stage(path, name, kind_cls, model_cls, device):
@@ -534,6 +607,10 @@ class Stage3Stage(StageBase):
         self.episodes = InMemoryEpisodes.load(a.data, a.max_episodes)
         self.data = LatentEpisodes(self.episodes, self.stage1.encoder, device, amp=a.amp,
                                    cache=latent_cache(a.data, self.f1, len(self.episodes.frames)))
+        if self.stage2.cfg.agent_motion:  # a tracking stage 2 needs the agent's recorded positions
+            from .data import read_episode
+
+            self.data.agent = [read_episode(p, keys=("agent_pos",))["agent_pos"] for p in self.episodes.paths]
         self.config = Stage3Config(decoder=self.stage1.cfg.decoder, total_steps=a.steps)
         self.model = Stage3(self.config)
         self.model.decoder.load_state_dict(self.stage1.decoder.state_dict())
@@ -541,6 +618,8 @@ class Stage3Stage(StageBase):
         self.held_frames = [e["frames"] for e in held]
         self.held = LatentEpisodes(InMemoryEpisodes(self.held_frames, [e["actions"] for e in held], []),
                                    self.stage1.encoder, device, amp=a.amp)
+        if self.stage2.cfg.agent_motion:
+            self.held.agent = [e["agent_pos"] for e in held]
         self.eval_batch = self._batch(np.random.default_rng(0), 32, self.held, self.held_frames)
 
     def _batch(self, rng, batch, lat: "LatentEpisodes", frames):
@@ -554,10 +633,15 @@ class Stage3Stage(StageBase):
             n_valid = min(K, t0 + 1)
             idx = np.clip(np.arange(t0 - K + 1, t0 + 1), t0 - n_valid + 1, None)
             ctx.append(Z[idx])
-            a = np.zeros((K + depth - 1, 2), np.float32)
-            a[: K] = A[idx]
+            track = lat.agent is not None  # a tracking stage 2: each row also holds the agent's position
+            a = np.zeros((K + depth - 1, 4 if track else 2), np.float32)
+            a[: K, :2] = A[idx]
+            a[K:, :2] = A[t0 + 1 : t0 + depth]
+            if track:
+                P = lat.agent[e]
+                a[: K, 2:] = P[idx]
+                a[K:, 2:] = P[t0 + 1 : t0 + depth]
             a[: K - n_valid] = 0.0
-            a[K:] = A[t0 + 1 : t0 + depth]
             act.append(a)
             nv.append(n_valid)
             tgt.append(frames[e][t0 + depth])

@@ -73,6 +73,11 @@ class TrainArgs:
                                       #   odds: fade, ghost, bend (bar and stem at different poses); see corrupt_block
     hires_ch: int = 0                 # stage 2: add a full-resolution refinement head of this width (HiResHead);
                                       #   with --finetune it starts at zero, so the release's function is kept
+    jump_focus: float = 0.0           # stage 2: fraction of windows whose target transition moves the agent more
+                                      #   than 30 canvas px (needs --agent-track); see agent_jumps
+    agent_track: bool = False         # stage 2: condition on the agent track (its position in each context frame
+                                      #   and where its fitted motion law puts it next; dynamics.agent_landing); with
+                                      #   --finetune of a release without one, the new inputs start at zero
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

@@ -17,7 +17,7 @@ import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from .env import check_action, read_agent, resize_obs, setup_world, start_frame
+from .env import check_action, read_agent, resize_obs, setup_world, start_frame, track_or
 from .groundtruth import make_env
 
 
@@ -56,7 +56,7 @@ class WorldSimVectorEnv(VectorEnv):
         starts = [start_frame(o or {}, self.size, self._gt, self.np_random, self.task) for o in options_list]
         frames = np.stack([f for f, _ in starts])
         z0 = self.wm.encode(frames)
-        fresh = self.wm.start(z0)
+        fresh = self.wm.start(z0, np.stack([a for _, a in starts]) if self.wm.tracks_agent else None)
         if self._state is None:
             self._state = fresh
         else:
@@ -114,7 +114,7 @@ class WorldSimVectorEnv(VectorEnv):
         frames = self.wm.step(self._state, torch.from_numpy(a), generator=self._gen)  # one batched forward for all
         self._frames[stepping] = frames[stepping]  # the resetting envs' slices are overwritten below
         for i in stepping:
-            self._agents[i] = read_agent(self._frames[i], self._agents[i])
+            self._agents[i] = read_agent(self._frames[i], track_or(self._state, i, self._agents[i]))
         self._elapsed[stepping] += 1
         if len(resetting):
             self._reset_envs(resetting, [{}] * len(resetting))

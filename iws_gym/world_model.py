@@ -104,25 +104,48 @@ class WorldModel:
 
 
     # ---- the rolling context, batched: what the envs step -------------------------------------------
-    def start(self, z0: torch.Tensor) -> dict:
+    @property
+    def tracks_agent(self) -> bool:
+        """Whether the dynamics follow the agent with its motion law (dynamics.agent_landing)."""
+        return self.stage2 is not None and bool(self.stage2.cfg.agent_motion)
+
+    def start(self, z0: torch.Tensor, agent_pos=None) -> dict:
         """Rollout state for B envs from their first latents z0 (B, C, h, w): a context window of K
-        slots holding z0 once (the earlier slots are padding) and no actions yet."""
+        slots holding z0 once (the earlier slots are padding) and no actions yet. A model that tracks the
+        agent also needs its position in the first frames, agent_pos (B, 2) canvas px (see
+        pose.agent_position to read it from a frame); the track then follows the actions."""
         if self.stage2 is None:
             raise ValueError(f"{self.path}: no stage2.safetensors, cannot roll out dynamics")
         K = self.stage2.cfg.context
         B = z0.shape[0]
-        return dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
-                    n_valid=torch.ones(B, dtype=torch.long, device=self.device))
+        state = dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
+                     n_valid=torch.ones(B, dtype=torch.long, device=self.device))
+        if self.tracks_agent:
+            if agent_pos is None:
+                raise ValueError(f"{self.path}: this dynamics model tracks the agent; start() needs agent_pos (B, 2)")
+            p = torch.as_tensor(np.asarray(agent_pos, np.float32), device=self.device).reshape(-1, 2)
+            if len(p) != B or not torch.isfinite(p).all():
+                raise ValueError(f"agent_pos must be {B} finite (x, y) canvas positions, got {p.tolist()}")
+            state["acts"] = torch.zeros(B, K, 4, device=self.device)
+            state["agent"] = p
+        return state
 
     @torch.inference_mode()
     def advance(self, state: dict, actions: torch.Tensor, generator: torch.Generator | None = None,
                 steps: int | None = None) -> torch.Tensor:
         """One env step for every env: predict z_{t+1} from the window and `actions` (B, 2), then slide the
-        window forward (the oldest latent drops out, so the cost per step never grows). Returns z_{t+1}."""
+        window forward (the oldest latent drops out, so the cost per step never grows). With an agent
+        track, each window row also holds the agent's position in that frame, and state["agent"] moves
+        to where the motion law puts it. Returns z_{t+1}."""
         K = self.stage2.cfg.context
-        state["acts"] = torch.cat([state["acts"][:, 1:], actions.float().to(self.device)[:, None]], dim=1)
+        row = actions.float().to(self.device)
+        if "agent" in state:
+            row = torch.cat([row, state["agent"]], dim=1)
+        state["acts"] = torch.cat([state["acts"][:, 1:], row[:, None]], dim=1)
         z = self.stage2.predict(state["ctx"], state["acts"], state["n_valid"], steps=steps or self.dynamics_steps,
                                 generator=generator, sampler=self.dynamics_sampler)
+        if "agent" in state:
+            state["agent"] = self.stage2.landing(state["acts"], state["n_valid"]).clamp(0, 512)
         state["ctx"] = torch.cat([state["ctx"][:, 1:], z[:, None]], dim=1)
         state["n_valid"] = (state["n_valid"] + 1).clamp(max=K)
         return z
@@ -143,12 +166,17 @@ class WorldModel:
         return frames
 
     @torch.inference_mode()
-    def predict_teacher_forced(self, frames: np.ndarray, actions: np.ndarray, seed: int = 0, batch: int = 64) -> np.ndarray:
+    def predict_teacher_forced(self, frames: np.ndarray, actions: np.ndarray, seed: int = 0, batch: int = 64,
+                               agent_pos: np.ndarray | None = None) -> np.ndarray:
         """One-step predictions from real history: frames (T+1, H, W, 3) uint8, actions (T, 2) ->
-        (T, H, W, 3), where prediction t+1 sees the real frames <= t (up to K of them) and actions <= t."""
+        (T, H, W, 3), where prediction t+1 sees the real frames <= t (up to K of them) and actions <= t.
+        A model that tracks the agent reads its positions (T+1, 2) from `agent_pos`, or from the frames."""
         K = self.stage2.cfg.context
         z = torch.cat([self.encode(frames[i : i + batch]) for i in range(0, len(frames), batch)]).float()
         a = torch.as_tensor(np.asarray(actions, np.float32), device=self.device)
+        if self.tracks_agent:
+            p = frames_agent_pos(frames) if agent_pos is None else np.asarray(agent_pos, np.float32)
+            a = torch.cat([a, torch.as_tensor(p[: len(a)], dtype=torch.float32, device=self.device)], dim=1)
         T = len(a)
         gen = torch.Generator().manual_seed(seed)
         out = []
@@ -163,14 +191,33 @@ class WorldModel:
             out.append(self.decode(z1, generator=gen))
         return np.concatenate(out)
 
-    def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None) -> np.ndarray:
-        """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8."""
+    def rollout(self, first_frame: np.ndarray, actions: np.ndarray, seed: int = 0, steps: int | None = None,
+                agent_pos=None) -> np.ndarray:
+        """Open-loop rollout from one real frame: (H, W, 3) uint8 and (T, 2) actions -> (T+1, H, W, 3) uint8.
+        agent_pos: the agent's position in the first frame, for a model that tracks it (default: read
+        from the frame)."""
         gen = torch.Generator().manual_seed(seed)
-        state = self.start(self.encode(first_frame[None]))
+        if self.tracks_agent and agent_pos is None:
+            agent_pos = frames_agent_pos(first_frame[None])
+        state = self.start(self.encode(first_frame[None]), agent_pos)
         frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None], generator=gen, steps=steps)[0])
         return np.stack(frames)
+
+
+def frames_agent_pos(frames: np.ndarray) -> np.ndarray:
+    """The agent's position (canvas px) in each of (N, H, W, 3) real frames, read by pose.agent_position;
+    raises ValueError when a frame does not show it (a track must start from where the agent is)."""
+    from .pose import agent_position
+
+    out = []
+    for i, f in enumerate(frames):
+        p = agent_position(f)
+        if p is None:
+            raise ValueError(f"frame {i}: no agent found; pass its position as agent_pos")
+        out.append(p)
+    return np.asarray(out, np.float32)
 
 
 def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,
@@ -191,7 +238,8 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
             wm.stage2.cfg = dataclasses.replace(wm.stage2.cfg, ctx_sigma=ctx_sigma)
 
         def roll(ep, horizon):
-            return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0)
+            return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0,
+                              agent_pos=ep["agent_pos"][:1] if "agent_pos" in ep else None)
 
         roll.precision, roll.ctx_sigma = dtype_name(wm.dtype), wm.stage2.cfg.ctx_sigma
         return "open_loop_rollout", roll

@@ -157,6 +157,7 @@ def _counting_latents(lengths=(30, 40)):
     lat.actions = [np.stack([np.arange(n), -np.arange(n)], 1).astype(np.float32) for n in lengths]
     lat.erased = None
     lat.corrupted = None
+    lat.agent = None
     return lat
 
 
@@ -504,3 +505,153 @@ def test_cached_episode_latents_reuses_the_cache_only_for_the_same_episodes(tmp_
     assert len(calls) == 1 and all(torch.equal(x, y) for x, y in zip(a, b))
     c = cached_episode_latents(cache, [3, 6], lambda: build((3, 6)))  # other episode lengths: rebuilt
     assert len(calls) == 2 and len(c[1]) == 6 and len(cached_episode_latents(cache, [3, 6], build)[1]) == 6
+
+
+def test_agent_motion_law_fits_gym_pusht_exactly(tiny_dataset):
+    """The agent track's premise: gym-pusht's agent is a PD-driven body that nothing pushes back, so its
+    next position is linear in its last two positions and targets. Fitted on two recorded episodes, the
+    law predicts the third's agent to a hundredth of a pixel, from rest too; a wrong law would not."""
+    from iws_gym.data import list_episodes, read_episode
+    from iws_gym.dynamics import agent_landing, fit_agent_motion
+
+    eps = [read_episode(p, keys=("agent_pos", "actions")) for p in list_episodes(tiny_dataset)]
+    coef, stats = fit_agent_motion([e["agent_pos"] for e in eps[:2]], [e["actions"] for e in eps[:2]])
+    assert stats["residual_px_max"] < 0.01 and stats["transitions"] == sum(len(e["actions"]) for e in eps[:2])
+    assert sum(coef[:4]) == pytest.approx(1.0, abs=1e-3) and sum(coef[4:]) == pytest.approx(1.0, abs=1e-3)
+    p, a = torch.as_tensor(eps[2]["agent_pos"]), torch.as_tensor(eps[2]["actions"])
+    T = len(a)
+    pos = torch.stack([torch.cat([p[:1], p[: T - 1]]), p[:T]], dim=1)     # (T, 2 slots, 2): frames t-1, t
+    acts = torch.stack([torch.cat([a[:1], a[: T - 1]]), a], dim=1)
+    nv = torch.full((T,), 2)
+    nv[0] = 1  # the first step starts from a single frame (at rest)
+    err = (agent_landing(pos, acts, nv, coef) - p[1:]).norm(dim=1)
+    assert err.max().item() < 0.01
+    err_copy = (p[:T] - p[1:]).norm(dim=1)  # the agent does move: holding it still is far off
+    assert err_copy.max().item() > 5
+    with pytest.raises(ValueError, match="at least one episode"):
+        fit_agent_motion([p[:2].numpy()], [a[:1].numpy()])
+
+
+def test_agent_maps_added_to_a_release_keep_its_function():
+    """Upgrading a release to an agent track: the new input channels start at zero, so the release's
+    predictions are unchanged whatever the track says; the track then matters once they are trained."""
+    from iws_gym.stages import add_agent_map_inputs
+
+    coef = (0.7, -0.1, 0.3, 0.1, 0.7, 0.3)
+    for hires in (0, 8):
+        torch.manual_seed(0)
+        cfg0 = DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2, hires_ch=hires)
+        m0, m1 = Stage2(cfg0), Stage2(dataclasses.replace(cfg0, agent_motion=coef))
+        for p in m0.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        m1.load_state_dict(add_agent_map_inputs(m0.state_dict(), m1.cfg))
+        g = torch.Generator().manual_seed(0)
+        ctx, act = torch.randn(3, 2, 8, 16, 16, generator=g) * 0.3, torch.rand(3, 2, 2, generator=g) * 512
+        nv, noise = torch.tensor([1, 2, 2]), torch.randn(3, 2, 8, 16, 16, generator=g)
+        track = torch.cat([act, torch.rand(3, 2, 2, generator=g) * 512], dim=2)  # (B, K, 4)
+
+        def pred(m, a):
+            return m.predict(ctx, a, nv, generator=torch.Generator().manual_seed(1), ctx_noise=noise)
+
+        z0 = pred(m0, act)
+        torch.testing.assert_close(pred(m1, track), z0)
+        with pytest.raises(ValueError, match=r"tracks the agent: actions must be \(B, K, 4\)"):
+            pred(m1, act)
+        with torch.no_grad():
+            m1.net.inp.weight.normal_(std=0.2)  # trained input weights: now the agent's position matters
+        moved = track.clone()
+        moved[..., 2:] = 512 - moved[..., 2:]
+        assert (pred(m1, moved) - pred(m1, track)).abs().max().item() > 1e-3
+
+
+def test_agent_track_follows_the_actions_and_windows_carry_it(tiny_dataset, tiny_checkpoint, tmp_path):
+    """--agent-track on a release: the motion law is fitted and stored in the config and provenance, the
+    windows carry the recorded positions, and a rollout's track moves by the law from the start frame."""
+    from iws_gym.checkpoint import load_release
+    from iws_gym.data import list_episodes, read_episode
+
+    out = tmp_path / "track"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
+            "--agent-track", "--drop-agent", 0.5, "--out", out, "--steps", 2, "--batch", 4, "--lr", 1e-3,
+            "--eval-every", 2, "--warmup", 1)
+    cfg, sd, meta = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert len(cfg.agent_motion) == 6 and meta["agent_motion"] == list(cfg.agent_motion)
+    assert meta["agent_motion_fit"]["residual_px_max"] < 0.01
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    shutil.copy(out / "stage2.safetensors", ck)
+    wm = WorldModel.from_pretrained(ck, device="cpu", stages=("stage1", "stage2"))
+    assert wm.tracks_agent
+    ep = read_episode(list_episodes(tiny_dataset)[0])
+    frame = ep["frames"][:1]
+    with pytest.raises(ValueError, match="needs agent_pos"):
+        wm.start(wm.encode(frame))
+    state = wm.start(wm.encode(frame), ep["agent_pos"][:1])
+    for t in range(3):
+        wm.step(state, torch.as_tensor(ep["actions"][t : t + 1]), generator=torch.Generator().manual_seed(0))
+        # the track is the recorded agent, by the law alone (no frame is read)
+        np.testing.assert_allclose(state["agent"][0].numpy(), ep["agent_pos"][t + 1], atol=0.05)
+    assert state["acts"].shape == (1, cfg.context, 4)
+    # a rollout reads the start position from the frame when none is given
+    frames = wm.rollout(ep["frames"][0], ep["actions"][:2])
+    assert frames.shape == (3, 128, 128, 3)
+    with pytest.raises(ValueError, match="no agent found"):
+        wm.rollout(np.full((128, 128, 3), 255, np.uint8), ep["actions"][:2])
+    # the envs start the track at the reset state's agent and report it where a frame lacks the agent
+    from iws_gym.env import WorldSimEnv
+    from iws_gym.pose import agent_position
+    from iws_gym.vector_env import WorldSimVectorEnv
+
+    start = [100.0, 400.0, 300.0, 300.0, 0.5]
+    env = WorldSimEnv(world_model=wm)
+    env.reset(seed=0, options={"reset_to_state": start})
+    np.testing.assert_allclose(env._state["agent"][0].numpy(), start[:2])
+    obs, *_ = env.step(np.array([400.0, 100.0], np.float32))
+    law = np.array(start[:2]) * cfg.agent_motion[4] + np.array([400.0, 100.0]) * cfg.agent_motion[5]
+    np.testing.assert_allclose(env._state["agent"][0].numpy(), law, atol=1e-3)
+    expect = law if agent_position(obs["pixels"]) is None else np.clip(agent_position(obs["pixels"]), 0, 512)
+    np.testing.assert_allclose(obs["agent_pos"], expect, atol=1e-3)
+    venv = WorldSimVectorEnv(num_envs=2, world_model=wm)
+    venv.reset(seed=0, options={"reset_to_states": np.array([start, [300.0, 200.0, 250.0, 250.0, 0.0]])})
+    np.testing.assert_allclose(venv._state["agent"].numpy(), [start[:2], [300.0, 200.0]])
+    venv.step(np.array([[400.0, 100.0], [300.0, 200.0]], np.float32))
+    np.testing.assert_allclose(venv._state["agent"][0].numpy(), law, atol=1e-3)
+    # fine-tuning a tracking release needs the positions
+    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", out,
+                   "--out", tmp_path / "track2", "--steps", 1, check=False)
+    assert proc.returncode != 0 and "--agent-track" in proc.stderr
+
+
+def test_windows_carry_the_agent_positions_of_their_frames():
+    lat = _counting_latents()
+    K = 3
+    lat.agent = [np.stack([np.arange(len(z)), 1000 + np.arange(len(z))], axis=1).astype(np.float32) for z in lat.latents]
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 64, K, 2, drop_agent=0.0)
+    assert act.shape == (64, K + 2, 4)
+    frame_of_ctx = ctx[:, :, 0, 0, 0]  # _counting_latents: each latent holds its frame index
+    for b in range(64):
+        real = slice(K - int(nv[b]), K)
+        np.testing.assert_array_equal(act[b, real, 2].numpy(), frame_of_ctx[b, real].numpy())
+        assert (act[b, : K - int(nv[b])] == 0).all()
+        np.testing.assert_array_equal(act[b, K:, 2].numpy(), tgt[b, :2, 0, 0, 0].numpy())  # frames after the window
+
+
+def test_jump_focus_draws_the_fast_agent_transitions():
+    from iws_gym.stages import agent_jumps
+
+    lat = _counting_latents()
+    # the agent jumps 40 px into frames 11 and 21 of episode 0 and never in episode 1
+    p0 = np.zeros((31, 2), np.float32)
+    p0[11:, 0] += 40
+    p0[21:, 1] += 40
+    lat.agent = [p0, np.zeros((41, 2), np.float32)]
+    lat.jumps = agent_jumps(lat.agent)
+    assert lat.jumps.tolist() == [[0, 10], [0, 20]]
+    lat.hard = np.array([[1, 5]])
+    ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(0), 400, 3, 0, focus=0.3, jump_focus=0.5)
+    t = tgt[:, 0, 0, 0, 0]  # the target frame's index
+    from_jumps = np.isin(t.numpy(), [11, 21]) & (act[:, -1, 2].numpy() >= 0)
+    assert 0.4 < from_jumps.mean() < 0.65  # ~50% from the jumps (+ the odd uniform draw)
+    assert 0.2 < (t == 6).float().mean() < 0.4  # ~30% from the block-moving list
+    with pytest.raises(ValueError, match="jump_focus"):
+        lat.sample_rollout(np.random.default_rng(0), 8, 3, 0, focus=0.6, jump_focus=0.6)
