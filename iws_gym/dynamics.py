@@ -434,8 +434,7 @@ class Stage2(nn.Module):
                 raise ValueError(f"this dynamics model tracks the agent: actions must be (B, K, 4) [target x, y, "
                                  f"agent x, y], got shape {tuple(actions.shape)}")
             pos = actions[..., 2:4].float()
-            land = agent_landing(pos, actions[..., :2], n_valid, c.agent_motion)
-            agent_in = torch.cat([pos, land[:, None]], dim=1) / c.action_scale * 2 - 1  # (B, K+1, 2)
+            agent_in = torch.cat([pos, self.landing(actions, n_valid)[:, None]], dim=1) / c.action_scale * 2 - 1  # (B, K+1, 2)
         actions = actions[..., :2]
         s = sigma.float()[..., None, None, None]
         c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)

@@ -325,7 +325,7 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
     from .decoder import Stage1, Stage1Config
     from .dynamics import DynamicsConfig, Stage2
     from .hardware import autocast
-    from .stages import LatentEpisodes, block_moves, latent_cache, load_stage, moving_transitions
+    from .stages import LatentEpisodes, block_moves, latent_cache, load_stage, moving_transitions, recorded_agent_pos
 
     if min(train_episodes, heldout, steps, windows, dynamics_steps) <= 0:
         raise ValueError("--train-episodes, --heldout, --steps, --windows and --dynamics-steps must be > 0")
@@ -348,10 +348,7 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
         lat = LatentEpisodes(eps, s1.encoder, "cpu", cache=cache)
         lat.hard = hard
         if cfg.agent_motion:  # a tracking model reads the agent's recorded positions beside the actions
-            from .data import read_episode
-
-            lat.agent = ([read_episode(p, keys=("agent_pos",))["agent_pos"] for p in eps.paths] if name == "train"
-                         else [e["agent_pos"] for e in held_eps])
+            lat.agent = recorded_agent_pos(eps.paths) if name == "train" else [e["agent_pos"] for e in held_eps]
         out = dict(block_moving_share=round(len(hard) / sum(len(a) for a in eps.actions), 4))
         for kind, focus in (("all", 0.0), ("block_moving", 1.0)):
             ctx, act, tgt, nv = lat.sample_rollout(np.random.default_rng(seed), windows, K, 0, focus=focus)

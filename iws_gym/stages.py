@@ -191,16 +191,15 @@ class LatentEpisodes:
             raise ValueError("corrupt_block > 0 needs the block-corrupted latents (LatentEpisodes.corrupted)")
         if drop_agent + corrupt_block > 1:
             raise ValueError(f"drop_agent + corrupt_block must be <= 1, got {drop_agent} + {corrupt_block}")
-        ctx, act, tgt, nv = [], [], [], []
         if jump_focus + focus > 1:
             raise ValueError(f"focus + jump_focus must be <= 1, got {focus} + {jump_focus}")
+        use_jumps, use_hard = jump_focus > 0 and len(self.jumps) > 0, focus > 0 and len(self.hard) > 0
+        ctx, act, tgt, nv = [], [], [], []
         for e in rng.integers(0, len(self.latents), batch):
-            u = rng.random() if (focus > 0 and len(self.hard)) or (jump_focus > 0 and len(self.jumps)) else 1.0
-            if jump_focus > 0 and len(self.jumps) and u < jump_focus:
-                e, t = (int(v) for v in self.jumps[rng.integers(0, len(self.jumps))])
-                t = min(t, len(self.actions[e]) - R - 1)
-            elif focus > 0 and len(self.hard) and u < jump_focus + focus:
-                e, t = (int(v) for v in self.hard[rng.integers(0, len(self.hard))])
+            u = rng.random() if use_jumps or use_hard else 1.0
+            pool = self.jumps if use_jumps and u < jump_focus else self.hard if use_hard and u < jump_focus + focus else None
+            if pool is not None:
+                e, t = (int(v) for v in pool[rng.integers(0, len(pool))])
                 t = min(t, len(self.actions[e]) - R - 1)
             else:
                 t = int(rng.integers(0, len(self.actions[e]) - R))  # frames t+1 .. t+R+1 exist
@@ -319,6 +318,13 @@ def agent_jumps(agent_pos, min_canvas_px: float = 30.0) -> np.ndarray:
         step = np.linalg.norm(np.diff(np.asarray(p, np.float64), axis=0), axis=1)
         out.extend((e, int(t)) for t in np.flatnonzero(step > min_canvas_px))
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def recorded_agent_pos(paths) -> list[np.ndarray]:
+    """The recorded agent positions (T+1, 2) of the episodes stored at `paths` (for an agent track)."""
+    from .data import read_episode
+
+    return [read_episode(p, keys=("agent_pos",))["agent_pos"] for p in paths]
 
 
 def block_moves(paths) -> np.ndarray:
@@ -608,9 +614,7 @@ class Stage3Stage(StageBase):
         self.data = LatentEpisodes(self.episodes, self.stage1.encoder, device, amp=a.amp,
                                    cache=latent_cache(a.data, self.f1, len(self.episodes.frames)))
         if self.stage2.cfg.agent_motion:  # a tracking stage 2 needs the agent's recorded positions
-            from .data import read_episode
-
-            self.data.agent = [read_episode(p, keys=("agent_pos",))["agent_pos"] for p in self.episodes.paths]
+            self.data.agent = recorded_agent_pos(self.episodes.paths)
         self.config = Stage3Config(decoder=self.stage1.cfg.decoder, total_steps=a.steps)
         self.model = Stage3(self.config)
         self.model.decoder.load_state_dict(self.stage1.decoder.state_dict())
@@ -627,13 +631,13 @@ class Stage3Stage(StageBase):
         K, R = self.stage2.cfg.context, self.config.rollout_depth
         depth = int(rng.integers(1, R + 1))
         ctx, act, nv, tgt = [], [], [], []
+        track = lat.agent is not None  # a tracking stage 2: each row also holds the agent's position
         for e in rng.integers(0, len(lat.latents), batch):
             Z, A = lat.latents[e], lat.actions[e]
             t0 = int(rng.integers(0, len(A) - depth + 1))   # last real context frame
             n_valid = min(K, t0 + 1)
             idx = np.clip(np.arange(t0 - K + 1, t0 + 1), t0 - n_valid + 1, None)
             ctx.append(Z[idx])
-            track = lat.agent is not None  # a tracking stage 2: each row also holds the agent's position
             a = np.zeros((K + depth - 1, 4 if track else 2), np.float32)
             a[: K, :2] = A[idx]
             a[K:, :2] = A[t0 + 1 : t0 + depth]
