@@ -311,8 +311,8 @@ def moving_transitions(block_poses, min_canvas_px: float = 1.0, min_rad: float =
 
 def agent_jumps(agent_pos, min_canvas_px: float = 30.0) -> np.ndarray:
     """Transitions (episode, t) in which the agent moves more than `min_canvas_px` from frame t to t+1,
-    from each episode's agent positions (T+1, 2): (N, 2) int. Fast, jumpy motion: 4% of the play mix,
-    60% of jittery play, where the agent used to vanish from the predicted frame."""
+    from each episode's agent positions (T+1, 2): (N, 2) int. Fast, jumpy motion: rare in the play mix,
+    common in jittery play, where the agent vanishes from the predicted frame most."""
     out = []
     for e, p in enumerate(agent_pos):
         step = np.linalg.norm(np.diff(np.asarray(p, np.float64), axis=0), axis=1)
