@@ -61,7 +61,8 @@ def cmd_eval_stability(a):
     from .stability import stability
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
-                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode), a.json)
+                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode,
+                    calib_episodes=a.calib_episodes, calib_steps=a.calib_steps), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -246,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
+    es.add_argument("--calib-episodes", type=int, default=8,
+                    help="real episodes per drive (scripted, random targets) for the validity envelope, as many again "
+                         "for its false-alarm check")
+    es.add_argument("--calib-steps", type=int, default=200, help="steps of each of those episodes")
     es.add_argument("--strip", default=None, help="PNG: a row of frames across each rollout")
     es.add_argument("--json", default=None)
     es.set_defaults(fn=cmd_eval_stability)
@@ -319,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
-    r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json")
+    r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json, or a candidate "
+                   "release (a directory with provenance.json) to promote with its provenance")
     r.add_argument("--stage", required=True, choices=["stage1", "stage2", "stage3"])
     r.add_argument("--dest", default="checkpoints/tpushing")
     r.add_argument("--report", nargs="*", default=[], help="JSON reports measured on these weights")

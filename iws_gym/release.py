@@ -27,13 +27,56 @@ def _run_dir(p: dict) -> str | None:
     return _norm(m.group(1)) if m else None
 
 
+def _summaries(reports: list[Path]) -> dict:
+    out = {}
+    for p in reports:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"report {p} does not exist")
+        r = json.loads(Path(p).read_text())
+        out[str(p)] = r.get("summary", r)
+    return out
+
+
+def promote(src: Path, stage: str, dest: Path, reports: list[Path]) -> dict:
+    """Make a candidate release (a directory written like checkpoints/<task>, with provenance.json) the
+    release in `dest`: its weights and its provenance entry, chain included, move over unchanged; the
+    release commit is now, and the reports given replace the candidate's (none given: they are kept).
+    With src == dest this re-releases the weights in place with new reports."""
+    src, dest = Path(src), Path(dest)
+    prov_src = json.loads((src / "provenance.json").read_text())
+    if stage not in prov_src:
+        raise ValueError(f"{src / 'provenance.json'} has no entry for {stage}")
+    weights = src / f"{stage}.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} does not exist")
+    same = src.resolve() == dest.resolve()  # re-releasing in place: new reports for the same weights
+    entry = dict(prov_src[stage], released_at_commit=git_commit(),
+                 promoted_from=prov_src[stage].get("promoted_from") if same else _norm(src))
+    if reports:
+        entry["reports"] = _summaries(reports)
+    dest.mkdir(parents=True, exist_ok=True)
+    if not same:
+        tmp = dest / f".{stage}.safetensors.tmp"
+        shutil.copyfile(weights, tmp)
+        tmp.replace(dest / f"{stage}.safetensors")
+    prov_file = dest / "provenance.json"
+    prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    prov[stage] = entry
+    _write_provenance(dest, prov)
+    return entry
+
+
 def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None) -> dict:
+    """Release a trained stage from its run directory, or promote a candidate release: a directory
+    with provenance.json and no train_result.json (see `promote`)."""
     from safetensors import safe_open
 
     run, dest = Path(run), Path(dest)
     src = run / f"{stage}.safetensors"
     if not src.is_file():
         raise FileNotFoundError(f"{src} does not exist: train the stage first")
+    if (run / "provenance.json").is_file() and not (run / "train_result.json").is_file():
+        return promote(run, stage, dest, reports)
     result_file = run / "train_result.json"
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     with safe_open(str(src), framework="pt") as f:
@@ -60,13 +103,18 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
         data_episodes=meta.get("data_episodes"), steps=result.get("step", meta.get("step")),
         wall_s=result.get("wall_s"), device=result.get("device"), trained_at_commit=meta.get("commit"),
         released_at_commit=git_commit(), train_eval=meta.get("eval"), config=meta.get("config"),
-        reports={str(p): json.loads(Path(p).read_text()).get("summary", json.loads(Path(p).read_text())) for p in reports},
+        reports=_summaries(reports),
     )
     if base is not None:  # steps and wall time in total; this run's own in finetune_*
         prov[stage].update(finetune_steps=meta.get("finetune_steps"), finetune_wall_s=result.get("wall_s"),
                            steps=meta.get("step"), wall_s=round((result.get("wall_s") or 0) + (base["wall_s"] or 0), 1),
                            finetuned_from=base)
-    write_json_atomic(prov_file, prov)
+    _write_provenance(dest, prov)
+    return prov[stage]
+
+
+def _write_provenance(dest: Path, prov: dict) -> None:
+    write_json_atomic(dest / "provenance.json", prov)
     lines = ["# Provenance of the shipped weights", "",
              "Written by `iws release`; the JSON twin is `provenance.json`. Weights are bf16 safetensors whose",
              "metadata carries the model config, so `WorldModel.from_pretrained` needs nothing else.", ""]
@@ -77,6 +125,8 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
                   f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
                   f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
                   f"- eval during training: `{json.dumps(p['train_eval'])}`"]
+        if p.get("promoted_from"):
+            lines.append(f"- promoted from the candidate release `{p['promoted_from']}` (run `{p.get('run')}`)")
         b = p.get("finetuned_from")
         while b:  # the runs it continues, newest first
             lines.append(f"- fine-tuned from the release trained by `{b['command']}` ({b['steps']} steps in total, "
@@ -85,5 +135,6 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
         for rp, summary in p["reports"].items():
             lines.append(f"- measured by `{rp}`: see that file; summary `{json.dumps(summary)[:600]}`")
         lines.append("")
-    (dest / "PROVENANCE.md").write_text("\n".join(lines))
-    return prov[stage]
+    tmp = dest / ".PROVENANCE.md.tmp"
+    tmp.write_text("\n".join(lines))
+    tmp.replace(dest / "PROVENANCE.md")

@@ -10,8 +10,12 @@ Every `check_every` steps the latent is decoded and the frame is checked. A fram
 * the T block is detectable (pose.estimate fits a pose) with a template-fit residual in range,
 * the block's visible area, the mean colour and the share of off-palette pixels are in range,
 where "in range" means inside the envelope of the same statistic over real ground-truth frames, widened
-by a margin (`calibrate`). The report gives the first step where any check fails (null if none), the
-fraction of failing checks per kind, and a strip of frames across the rollout.
+by a margin (`calibrate`). The real frames come from the same two drives in gym-pusht (held-out scripted
+play and random targets, whole episodes: a pushed block covering the goal changes the mean colour, so
+frames near the start alone make too narrow an envelope), and the checks are themselves checked: the
+report's `false_alarm` is the share of a second, disjoint set of real frames that they reject. It also
+gives the first step where any check fails (null if none), the fraction of failing checks per kind, and a
+strip of frames across the rollout.
 """
 from __future__ import annotations
 
@@ -80,6 +84,37 @@ def failures(stats: dict, envelope: dict) -> list[str]:
     return out
 
 
+def reference_frames(task: TaskConfig, episodes: int, steps: int, offset: int, every: int = 5) -> np.ndarray:
+    """Real frames of both drives, every `every`-th step: `episodes` of held-out scripted play and as many
+    of random targets in gym-pusht, from held-out seeds `offset`, `offset + 1`, ... (B, H, W, 3) uint8."""
+    from .groundtruth import make_env
+
+    frames = [ep["frames"][every::every] for ep in heldout_episodes(task, episodes, steps, offset=offset)]
+    env = make_env(task.frame_size)
+    for i in range(episodes):
+        seed = task.heldout_seed_base + offset + i
+        rng = np.random.default_rng(seed)
+        env.reset(seed=seed)
+        for t, a in enumerate(rng.uniform(task.action_low, task.action_high, (steps, 2)).astype(np.float32)):
+            obs, *_ = env.step(a)
+            if (t + 1) % every == 0:
+                frames.append(obs["pixels"][None])
+    env.close()
+    return np.concatenate(frames)
+
+
+def false_alarms(frames: np.ndarray, envelope: dict) -> dict:
+    """How often the checks reject real frames (they should not)."""
+    counts, n_bad = {}, 0
+    for f in frames:
+        bad = failures(frame_stats(f), envelope)
+        n_bad += bool(bad)
+        for k in bad:
+            counts[k] = counts.get(k, 0) + 1
+    return dict(frames=len(frames), invalid_fraction=n_bad / len(frames),
+                failed_fraction={k: v / len(frames) for k, v in sorted(counts.items())})
+
+
 def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) -> np.ndarray:
     if kind == "random":
         return rng.uniform(task.action_low, task.action_high, (steps, 2)).astype(np.float32)
@@ -92,7 +127,7 @@ def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) 
 
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
               kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
-              reencode: bool = True) -> dict:
+              reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200) -> dict:
     from tqdm import tqdm
 
     from .hardware import dtype_name
@@ -100,15 +135,22 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
 
     if steps <= 0 or check_every <= 0:
         raise ValueError(f"--steps and --check-every must be > 0, got {steps} and {check_every}")
+    if calib_episodes <= 0 or calib_steps < 5:
+        raise ValueError(f"--calib-episodes must be > 0 and --calib-steps >= 5, got {calib_episodes} and {calib_steps}")
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
     wm.reencode = reencode
-    real = [ep for ep in heldout_episodes(task, 8, 50, offset=6000)]
-    envelope = calibrate(np.concatenate([ep["frames"][::5] for ep in real]))
+    real = [next(heldout_episodes(task, 1, 50, offset=6000))]  # the rollouts' start (as before the wider calibration)
+    envelope = calibrate(reference_frames(task, calib_episodes, calib_steps, offset=6000))
+    check = reference_frames(task, calib_episodes, calib_steps, offset=7000)
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
                   precision=dtype_name(wm.dtype),
                   validity="agent and block detectable; agent area, block area, T-fit residual, mean colour and "
                            "off-palette share inside the envelope of real frames (widened by 25% of its span)",
-                  envelope=envelope, rollouts={})
+                  calibration=f"real gym-pusht frames, every 5th of {calib_episodes} held-out episodes of scripted play "
+                              f"and {calib_episodes} of random targets, {calib_steps} steps each (seeds from offset 6000)",
+                  envelope=envelope,
+                  false_alarm=dict(false_alarms(check, envelope), source="the same from seeds at offset 7000"),
+                  rollouts={})
     strips = []
     for kind in kinds:
         rng = np.random.default_rng(seed)
@@ -116,7 +158,9 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         first = real[0]["frames"][0]
         gen = torch.Generator().manual_seed(seed)
         state = wm.start(wm.encode(first[None]), real[0]["agent_pos"][:1])
-        first_fail, fail_counts, n_checks, n_bad, shown = None, {}, 0, 0, [first]
+        first_fail, fail_counts, n_checks, n_bad, shown, shown_at = None, {}, 0, 0, [first], [0]
+        n_seg = min(10, steps)  # invalid share per tenth of the rollout: does it break and stay broken?
+        seg_bad, seg_n = [0] * n_seg, [0] * n_seg
         t0 = time.time()
         for t in tqdm(range(steps), desc=f"stability ({kind})"):
             # every step is decoded when the context is re-encoded from frames; otherwise only checked ones
@@ -130,17 +174,21 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 bad = failures(frame_stats(frame), envelope)
                 n_checks += 1
                 n_bad += bool(bad)
+                seg_bad[min(t * n_seg // steps, n_seg - 1)] += bool(bad)
+                seg_n[min(t * n_seg // steps, n_seg - 1)] += 1
                 for k in bad:
                     fail_counts[k] = fail_counts.get(k, 0) + 1
                 if bad and first_fail is None:
                     first_fail = dict(step=t + 1, failed=bad)
-                if (t + 1) % max(1, steps // 9) == 0 and len(shown) < 10:
+                if len(shown) < 10 and (t + 1) * 9 >= len(shown) * steps:  # the first check past each ninth
                     shown.append(frame)
+                    shown_at.append(t + 1)
         latent = state["ctx"][:, -1].float()
         report["rollouts"][kind] = dict(
             first_failure=first_fail, checks=n_checks,
             failed_fraction={k: v / n_checks for k, v in sorted(fail_counts.items())},
-            invalid_frame_fraction=n_bad / n_checks,
+            invalid_frame_fraction=n_bad / n_checks, strip_steps=shown_at,
+            invalid_fraction_by_tenth=[round(b / n, 3) if n else None for b, n in zip(seg_bad, seg_n)],
             final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
         strips.append(np.stack(shown))
     report["stable"] = all(r["first_failure"] is None for r in report["rollouts"].values())

@@ -5,7 +5,7 @@ import numpy as np
 
 from .conftest import run_iws
 from iws_gym.collect import heldout_episodes
-from iws_gym.stability import calibrate, failures, frame_stats
+from iws_gym.stability import calibrate, failures, false_alarms, frame_stats, reference_frames
 from iws_gym.tasks import load_task
 
 
@@ -28,17 +28,37 @@ def test_real_frames_pass_and_broken_frames_fail():
     assert "agent_found" in failures(frame_stats(no_agent), env)
 
 
+def test_envelope_from_whole_episodes_accepts_real_pushes():
+    """An envelope from the first frames of episodes rejects real frames where the block covers the goal
+    (it did: 24% of held-out scripted frames, by mean colour); one from whole episodes of both drives
+    accepts a disjoint set of them."""
+    task = load_task("tpushing")
+    env = calibrate(reference_frames(task, 3, 120, offset=6000, every=6))
+    check = reference_frames(task, 3, 120, offset=7000, every=6)
+    assert check.shape == (120, 128, 128, 3)
+    wide = false_alarms(check, env)["invalid_fraction"]
+    starts = np.concatenate([ep["frames"][::5] for ep in heldout_episodes(task, 3, 50, offset=6000)])
+    narrow = false_alarms(check, calibrate(starts))["invalid_fraction"]
+    assert wide <= 0.05 and narrow >= 0.05 and narrow > wide
+
+
 def test_stability_command(tiny_checkpoint, tmp_path):
     out = tmp_path / "stab.json"
     run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 12, "--check-every", 6,
-            "--strip", tmp_path / "strip.png", "--json", out)
+            "--calib-episodes", 2, "--calib-steps", 20, "--strip", tmp_path / "strip.png", "--json", out)
     r = json.loads(out.read_text())
+    # the checks are checked: real frames of a disjoint set (2 drives x 2 episodes x 4 frames) pass
+    assert r["false_alarm"]["frames"] == 16 and r["false_alarm"]["invalid_fraction"] <= 0.25
     assert set(r["rollouts"]) == {"random", "scripted"} and r["precision"] in ("bf16", "fp32")
     for roll in r["rollouts"].values():
         assert roll["checks"] == 2
         # an untrained tiny model makes garbage: the checks must notice
         assert roll["first_failure"] is not None and roll["first_failure"]["step"] == 6
+        assert roll["strip_steps"] == [0, 6, 12]  # the first check past each ninth of the rollout
+        assert len(roll["invalid_fraction_by_tenth"]) == 10 and roll["invalid_fraction_by_tenth"][4] == 1.0
     assert r["stable"] is False
     assert (tmp_path / "strip.png").stat().st_size > 0
     proc = run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 0, check=False)
     assert proc.returncode == 2 and "--steps" in proc.stderr
+    proc = run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--calib-episodes", 0, check=False)
+    assert proc.returncode == 2 and "--calib-episodes" in proc.stderr

@@ -120,3 +120,23 @@ def test_release_writes_weights_and_provenance(tiny_stage1, tmp_path):
     assert prov["command"].startswith("iws train stage1 --data") and prov["data_seed"] == 7 and prov["steps"] == 12
     assert (dest / "stage1.safetensors").is_file() and "## stage1" in (dest / "PROVENANCE.md").read_text()
     WorldModel.from_pretrained(dest, device="cpu")
+
+
+def test_release_promotes_a_candidate_with_its_provenance(tiny_stage1, tmp_path):
+    cand, dest = tmp_path / "cand", tmp_path / "ck"
+    run_iws("release", "--run", tiny_stage1, "--stage", "stage1", "--dest", cand)
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"summary": {"psnr": 30.0}}))
+    run_iws("release", "--run", cand, "--stage", "stage1", "--dest", dest, "--report", report)
+    old, new = (json.loads((d / "provenance.json").read_text())["stage1"] for d in (cand, dest))
+    assert (dest / "stage1.safetensors").read_bytes() == (cand / "stage1.safetensors").read_bytes()
+    assert new["command"] == old["command"] and new["steps"] == old["steps"] and new["promoted_from"] == str(cand)
+    assert new["reports"] == {str(report): {"psnr": 30.0}} and "promoted from" in (dest / "PROVENANCE.md").read_text()
+    r = run_iws("release", "--run", cand, "--stage", "stage1", "--dest", dest, "--report", tmp_path / "no.json",
+                check=False)
+    assert r.returncode == 2 and "no.json" in r.stderr
+    assert json.loads((dest / "provenance.json").read_text())["stage1"] == new  # nothing written on error
+    run_iws("release", "--run", dest, "--stage", "stage1", "--dest", dest)  # in place: same weights, chain kept
+    again = json.loads((dest / "provenance.json").read_text())["stage1"]
+    assert again["promoted_from"] == str(cand) and again["reports"] == new["reports"]
+    assert (dest / "stage1.safetensors").read_bytes() == (cand / "stage1.safetensors").read_bytes()
