@@ -150,6 +150,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                               f"and {calib_episodes} of random targets, {calib_steps} steps each (seeds from offset 6000)",
                   envelope=envelope,
                   false_alarm=dict(false_alarms(check, envelope), source="the same from seeds at offset 7000"),
+                  # what the envelope used before: frames of episode starts only (every 5th of the first 50
+                  # steps of 8 scripted episodes), on the same real frames
+                  false_alarm_of_start_envelope=false_alarms(check, calibrate(np.concatenate(
+                      [ep["frames"][::5] for ep in heldout_episodes(task, calib_episodes, 50, offset=6000)]))),
                   rollouts={})
     strips = []
     for kind in kinds:

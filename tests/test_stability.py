@@ -49,6 +49,7 @@ def test_stability_command(tiny_checkpoint, tmp_path):
     r = json.loads(out.read_text())
     # the checks are checked: real frames of a disjoint set (2 drives x 2 episodes x 4 frames) pass
     assert r["false_alarm"]["frames"] == 16 and r["false_alarm"]["invalid_fraction"] <= 0.25
+    assert r["false_alarm_of_start_envelope"]["frames"] == 16
     assert set(r["rollouts"]) == {"random", "scripted"} and r["precision"] in ("bf16", "fp32")
     for roll in r["rollouts"].values():
         assert roll["checks"] == 2
