@@ -93,9 +93,8 @@ def reference_frames(task: TaskConfig, episodes: int, steps: int, offset: int, e
     env = make_env(task.frame_size)
     for i in range(episodes):
         seed = task.heldout_seed_base + offset + i
-        rng = np.random.default_rng(seed)
         env.reset(seed=seed)
-        for t, a in enumerate(rng.uniform(task.action_low, task.action_high, (steps, 2)).astype(np.float32)):
+        for t, a in enumerate(_actions("random", task, steps, np.random.default_rng(seed))):
             obs, *_ = env.step(a)
             if (t + 1) % every == 0:
                 frames.append(obs["pixels"][None])
@@ -139,7 +138,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         raise ValueError(f"--calib-episodes must be > 0 and --calib-steps >= 5, got {calib_episodes} and {calib_steps}")
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
     wm.reencode = reencode
-    real = [next(heldout_episodes(task, 1, 50, offset=6000))]  # the rollouts' start (as before the wider calibration)
+    start = next(heldout_episodes(task, 1, 50, offset=6000))  # the rollouts' start (as before the wider calibration)
     envelope = calibrate(reference_frames(task, calib_episodes, calib_steps, offset=6000))
     check = reference_frames(task, calib_episodes, calib_steps, offset=7000)
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
@@ -159,9 +158,9 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     for kind in kinds:
         rng = np.random.default_rng(seed)
         actions = _actions(kind, task, steps, rng)
-        first = real[0]["frames"][0]
+        first = start["frames"][0]
         gen = torch.Generator().manual_seed(seed)
-        state = wm.start(wm.encode(first[None]), real[0]["agent_pos"][:1])
+        state = wm.start(wm.encode(first[None]), start["agent_pos"][:1])
         first_fail, fail_counts, n_checks, n_bad, shown, shown_at = None, {}, 0, 0, [first], [0]
         n_seg = min(10, steps)  # invalid share per tenth of the rollout: does it break and stay broken?
         seg_bad, seg_n = [0] * n_seg, [0] * n_seg
@@ -178,8 +177,9 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 bad = failures(frame_stats(frame), envelope)
                 n_checks += 1
                 n_bad += bool(bad)
-                seg_bad[min(t * n_seg // steps, n_seg - 1)] += bool(bad)
-                seg_n[min(t * n_seg // steps, n_seg - 1)] += 1
+                seg = min(t * n_seg // steps, n_seg - 1)
+                seg_bad[seg] += bool(bad)
+                seg_n[seg] += 1
                 for k in bad:
                     fail_counts[k] = fail_counts.get(k, 0) + 1
                 if bad and first_fail is None:
