@@ -5,7 +5,8 @@ import numpy as np
 
 from .conftest import run_iws
 from iws_gym.collect import heldout_episodes
-from iws_gym.stability import calibrate, failures, false_alarms, frame_stats, reference_frames
+from iws_gym.pose import render_t
+from iws_gym.stability import calibrate, failures, false_alarms, frame_stats, inside_share, reference_frames
 from iws_gym.tasks import load_task
 
 
@@ -26,6 +27,25 @@ def test_real_frames_pass_and_broken_frames_fail():
     blue = (no_agent[..., 2].astype(int) - no_agent[..., :2].mean(-1)) > 40
     no_agent[blue] = 255
     assert "agent_found" in failures(frame_stats(no_agent), env)
+
+
+def _t_frame(pose):
+    """A white 128x128 frame with a block-coloured T at `pose` (canvas coords), clipped by the frame."""
+    ys, xs = np.mgrid[0:128, 0:128].astype(np.float64)
+    a = render_t(np.asarray(pose, dtype=np.float64), ys, xs)[..., None]
+    return (255 * (1 - a) + np.array([143, 163, 184]) * a).round().astype(np.uint8)
+
+
+def test_a_t_hanging_off_the_table_fails():
+    """A broken block against the wall is fitted by a T partly outside the frame; a real one never is."""
+    assert abs(inside_share(np.array([256.0, 256.0, 0.3]), 128) - 1.0) < 1e-9
+    half = inside_share(np.array([480.0, 256.0, -np.pi / 2]), 128)  # the stem beyond the right edge
+    assert 0.2 < half < 0.9
+    inside, off = frame_stats(_t_frame([256, 256, 0.3])), frame_stats(_t_frame([480, 256, -np.pi / 2]))
+    assert inside["block_inside"] > 0.99 and off["block_inside"] < 0.95
+    env = calibrate(_real_frames()[::3])
+    assert env["block_inside"][0] > 0.9  # real frames: the whole T is on the table
+    assert "block_inside" not in failures(inside, env) and "block_inside" in failures(off, env)
 
 
 def test_envelope_from_whole_episodes_accepts_real_pushes():
