@@ -64,11 +64,14 @@ RANGED = ("agent_area", "block_area", "fit_residual", "block_inside", "mean_r", 
 
 def inside_share(pose, size: int) -> float:
     """Share of the T template at `pose` (canvas coords) that lies inside a size x size frame. The T reaches
-    at most 120 canvas px (30 frame px at 128) from its body origin, so a 48-px border holds all of it."""
-    ys, xs = np.mgrid[-48 : size + 48, -48 : size + 48].astype(np.float64)
-    t = render_t(pose, ys, xs, scale=512.0 / size)
+    at most 120 canvas px from its body origin, so a border of that many frame px (plus the edge ramp)
+    holds all of it."""
+    scale = 512.0 / size
+    b = int(np.ceil(120.0 / scale)) + 2
+    ys, xs = np.mgrid[-b : size + b, -b : size + b].astype(np.float64)
+    t = render_t(pose, ys, xs, scale=scale)
     total = t.sum()
-    return float(t[48:-48, 48:-48].sum() / total) if total > 0 else float("nan")
+    return float(t[b:-b, b:-b].sum() / total) if total > 0 else float("nan")
 
 
 def calibrate(frames: np.ndarray, margin: float = 0.25) -> dict:
@@ -153,7 +156,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         raise ValueError(f"--calib-episodes must be > 0 and --calib-steps >= 5, got {calib_episodes} and {calib_steps}")
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
     wm.reencode = reencode
-    start = next(heldout_episodes(task, 1, 50, offset=6000))  # the rollouts' start (as before the wider calibration)
+    # the first 50 steps of held-out scripted play: the first one is the rollouts' start, and every 5th frame of
+    # them all is the envelope used before (episode starts only), whose false alarms the report compares
+    starts = list(heldout_episodes(task, calib_episodes, 50, offset=6000))
+    start = starts[0]
     envelope = calibrate(reference_frames(task, calib_episodes, calib_steps, offset=6000))
     check = reference_frames(task, calib_episodes, calib_steps, offset=7000)
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
@@ -165,10 +171,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                               f"and {calib_episodes} of random targets, {calib_steps} steps each (seeds from offset 6000)",
                   envelope=envelope,
                   false_alarm=dict(false_alarms(check, envelope), source="the same from seeds at offset 7000"),
-                  # what the envelope used before: frames of episode starts only (every 5th of the first 50
-                  # steps of 8 scripted episodes), on the same real frames
                   false_alarm_of_start_envelope=false_alarms(check, calibrate(np.concatenate(
-                      [ep["frames"][::5] for ep in heldout_episodes(task, calib_episodes, 50, offset=6000)]))),
+                      [ep["frames"][::5] for ep in starts]))),
                   rollouts={})
     strips = []
     for kind in kinds:
