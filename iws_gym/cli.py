@@ -39,7 +39,8 @@ def cmd_eval_fidelity(a):
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
                       dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode, grid=Path(a.grid) if a.grid else None,
-                      ctx_sigma=a.ctx_sigma)
+                      ctx_sigma=a.ctx_sigma, reencode_every=a.reencode_every,
+                      episode_offset=a.episode_offset)
     _emit(report, a.json, summary_only=True)
 
 
@@ -62,7 +63,7 @@ def cmd_eval_stability(a):
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
                     seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode,
-                    calib_episodes=a.calib_episodes, calib_steps=a.calib_steps), a.json)
+                    reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -82,7 +83,7 @@ def cmd_eval_correlate(a):
         return _emit(report, a.json)
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
-                    reencode=a.reencode), a.json)
+                    reencode=a.reencode, reencode_every=a.reencode_every), a.json)
 
 
 def cmd_eval_probe(a):
@@ -122,7 +123,7 @@ def cmd_bench(a):
     from .bench import bench
 
     _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile,
-                a.precision), a.json)
+                a.precision, a.reencode_every), a.json)
 
 
 def cmd_release(a):
@@ -196,12 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--episodes", type=int, default=16)
     ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen", "jittery"],
                     help="held-out play as in training, an unseen scripted policy, or jittery pushes (iws collect --mix jittery)")
+    ef.add_argument("--episode-offset", type=int, default=0, metavar="N",
+                    help="held-out seeds from base + N (default 0: the reports' test episodes; 8000: a validation set)")
     ef.add_argument("--decoder-steps", type=int, default=None)
     ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
     ef.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"],
                     help="consistency jumps (the env's) or Euler steps of the probability-flow ODE (a diagnostic)")
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
+    ef.add_argument("--reencode-every", type=int, default=None, metavar="K",
+                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
     ef.add_argument("--ctx-sigma", type=float, default=None,
                     help="noise level of the context latents at inference (default: the release's, 0.02)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
@@ -247,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
+    es.add_argument("--reencode-every", type=int, default=None, metavar="K",
+                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
     es.add_argument("--calib-episodes", type=int, default=8,
                     help="real episodes per drive (scripted, random targets) for the validity envelope, as many again "
                          "for its false-alarm check")
@@ -273,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--workers", type=int, default=2, help="policies run at once in separate processes")
     ec.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="the learned env re-encodes each observation into its context (its default)")
+    ec.add_argument("--reencode-every", type=int, default=None, metavar="K",
+                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
     ec.add_argument("--checkpoint", default=None)
     ec.add_argument("--device", default="auto")
     ec.add_argument("--plot", default=None)
@@ -320,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="torch.compile the dynamics first (gym.make(..., compile=True))")
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="number format of the networks (auto: bf16 where the hardware has it natively, else fp32)")
+    b.add_argument("--reencode-every", type=int, default=None, metavar="K",
+                   help="re-encode every K-th observation (gym.make(..., reencode_every=K); default: the env's)")
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 

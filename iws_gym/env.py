@@ -37,7 +37,9 @@ rendered by gym-pusht's own renderer so one policy can start identically in both
 ("auto": bf16 where the device computes in bf16 natively - CUDA, AMX / AVX512-BF16 CPUs - else fp32;
 "bf16" | "fp32" to force one; see hardware.py),
 `scorer` (see scorer.py), `decoder_steps`, `dynamics_steps`, `task`, `reencode` (default True: each
-decoded observation is encoded back into the context window; see WorldModel.step), `compile` (default
+decoded observation is encoded back into the context window; see WorldModel.step), `reencode_every`
+(default None: the world model's, world_model.REENCODE_EVERY; K: every K-th step's observation goes
+back, the steps between keep the predicted latent), `compile` (default
 False: torch.compile the dynamics network for faster steps after a one-off compile; see
 WorldModel.compile).
 
@@ -85,9 +87,10 @@ def check_frame(frame, size: int) -> np.ndarray:
 
 
 def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
-                world_model, decoder_steps, dynamics_steps, reencode=None, compile=False, precision="auto"):
+                world_model, decoder_steps, dynamics_steps, reencode=None, compile=False, precision="auto",
+                reencode_every=None):
     """What the single and the vector env share: task, world model, scorer, single-env spaces."""
-    from .world_model import WorldModel
+    from .world_model import WorldModel, check_reencode_every
 
     if obs_type not in ("pixels_agent_pos", "pixels"):
         raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
@@ -103,6 +106,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
         env.wm.dynamics_steps = dynamics_steps
     if reencode is not None:
         env.wm.reencode = bool(reencode)
+    if reencode_every is not None:
+        env.wm.reencode_every = check_reencode_every(reencode_every)
     if compile:
         env.wm.compile()
     env.obs_type, env.size = obs_type, env.task.frame_size
@@ -158,13 +163,14 @@ class WorldSimEnv(gym.Env):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None,
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
                  dynamics_steps: int | None = None, task: str = "tpushing", world_model=None,
-                 reencode: bool | None = None, compile: bool = False, precision: str = "auto"):
+                 reencode: bool | None = None, compile: bool = False, precision: str = "auto",
+                 reencode_every: int | None = None):
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
         self.render_mode = render_mode
         self.action_space, self.observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode, compile, precision)
+            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None

@@ -81,15 +81,20 @@ def _copy_first(ep, horizon):
 def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episodes: int = 16,
              behaviour: str = "mix", decoder_steps: int | None = None, plot: Path | None = None,
              dynamics_steps: int | None = None, reencode: bool = True, grid: Path | None = None,
-             grid_episodes: int = 3, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None) -> dict:
+             grid_episodes: int = 3, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None,
+             reencode_every: int | None = None, episode_offset: int = 0) -> dict:
     """The fidelity report: per-step and summary metrics for the model and both baselines.
 
     grid: a PNG of the first `grid_episodes` episodes, the true frames above the model's, at
-    GRID_STEPS (those within the horizon) - what the numbers mean, to look at."""
+    GRID_STEPS (those within the horizon) - what the numbers mean, to look at.
+    episode_offset: start `episode_offset` seeds into the held-out range (the default 0 is the reports'
+    test set; e.g. 8000 is a validation set for choosing inference settings without touching it)."""
     from tqdm import tqdm
 
     if horizon <= 0 or episodes <= 0:
         raise ValueError(f"--horizon and --episodes must be > 0, got {horizon} and {episodes}")
+    if episode_offset < 0:
+        raise ValueError(f"--episode-offset must be >= 0, got {episode_offset}")
     if grid is not None and checkpoint is None:
         raise ValueError("--grid shows the model's rollouts: it needs --checkpoint")
     predictors = {"copy_first_frame": _copy_first,
@@ -99,14 +104,16 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
         from .world_model import load_predictor
 
         model_kind, predict = load_predictor(checkpoint, decoder_steps=decoder_steps, dynamics_steps=dynamics_steps,
-                                             reencode=reencode, dynamics_sampler=dynamics_sampler, ctx_sigma=ctx_sigma)
+                                             reencode=reencode, dynamics_sampler=dynamics_sampler, ctx_sigma=ctx_sigma,
+                                             reencode_every=reencode_every)
         predictors["model"] = predict
     per = {name: {} for name in predictors}
     timings = {name: 0.0 for name in predictors}
     t_start = time.time()
     grid_steps = [t for t in GRID_STEPS if t <= horizon]
     grid_rows = []
-    for i, ep in enumerate(tqdm(heldout_episodes(task, episodes, horizon, behaviour=behaviour), total=episodes, desc="fidelity")):
+    for i, ep in enumerate(tqdm(heldout_episodes(task, episodes, horizon, offset=episode_offset, behaviour=behaviour),
+                              total=episodes, desc="fidelity")):
         for name, fn in predictors.items():
             t0 = time.perf_counter()
             pred = fn(ep, horizon)
@@ -118,9 +125,10 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     report = dict(task=task.name, horizon=horizon, episodes=episodes, behaviour=behaviour,
                   checkpoint=str(checkpoint) if checkpoint else None, model_kind=model_kind,
                   decoder_steps=decoder_steps or 1, dynamics_steps=dynamics_steps or 1, dynamics_sampler=dynamics_sampler, reencode=reencode,
+                  reencode_every=getattr(predictors.get("model"), "reencode_every", None) if reencode else None,
                   precision=getattr(predictors.get("model"), "precision", None),
                   ctx_sigma=getattr(predictors.get("model"), "ctx_sigma", None),
-                  heldout_seeds=[task.heldout_seed_base, task.heldout_seed_base + episodes - 1],
+                  heldout_seeds=[task.heldout_seed_base + episode_offset, task.heldout_seed_base + episode_offset + episodes - 1],
                   not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
                   per_step={}, summary={}, wall_s=None)
     for name, d in per.items():

@@ -80,7 +80,7 @@ def _precision(device: str) -> str:
 
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
-                best_frames: list | None = None, record: list | None = None):
+                best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
     episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
     to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
@@ -96,7 +96,8 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     for b0 in range(0, n, batch):
         idx = np.arange(b0, min(n, b0 + batch))
         envs = gym.make_vec("IWS-TPushing-v0", num_envs=len(idx), checkpoint=checkpoint, device=device,
-                            max_episode_steps=horizon + 1, reencode=reencode)
+                            max_episode_steps=horizon + 1, reencode=reencode,
+                            reencode_every=reencode_every)
         obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
         runners = [_Runner(factory, seed + i) for i in idx]
         best = np.array(info["coverage"], dtype=float)
@@ -365,7 +366,7 @@ def reanalyse(path) -> dict:
 
 
 def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
-               reencode: bool = True, threads: int | None = None):
+               reencode: bool = True, reencode_every: int | None = None, threads: int | None = None):
     """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
     can run it). Returns (scores, seconds per episode)."""
     import torch
@@ -378,7 +379,8 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
     task, factory = load_task(task_name), suite()[name]
     if world == "learned":
         frames: list = []
-        scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames)
+        scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames,
+                                  reencode_every=reencode_every)
         # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
         scorer = TPushCoverageScorer(method="pose")
         pose = np.array([scorer.coverage(f) for f in frames])
@@ -388,7 +390,8 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
-              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True) -> dict:
+              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True,
+              reencode_every: int | None = None) -> dict:
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
@@ -399,11 +402,13 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     from tqdm import tqdm
 
     from .policies import suite
+    from .world_model import REENCODE_EVERY, check_reencode_every
 
     if episodes <= 1 or horizon <= 0:
         raise ValueError(f"--episodes must be > 1 and --horizon > 0, got {episodes} and {horizon}")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    reencode_every = check_reencode_every(reencode_every) if reencode_every is not None else REENCODE_EVERY
     policies = suite()
     unknown = sorted(set(names or []) - set(policies))
     if unknown:
@@ -412,7 +417,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         policies = {k: v for k, v in policies.items() if k in names}
     states = start_states(task, episodes, seed)
     t0 = time.time()
-    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode)
+    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every)
     jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
     if workers == 1:
         res = {j: _suite_run(task.name, *j, *args) for j in tqdm(jobs, desc="policy suite (policy x world)")}
@@ -438,7 +443,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                          dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"])
     overall = suite_figures(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
-                  precision=_precision(device),
+                  reencode_every=reencode_every if reencode else None, precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),
                   score="max coverage over the episode (Push-T); success = max coverage > 0.95",
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],

@@ -144,11 +144,12 @@ def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) 
 
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
               kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
-              reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200) -> dict:
+              reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200,
+              reencode_every: int | None = None) -> dict:
     from tqdm import tqdm
 
     from .hardware import dtype_name
-    from .world_model import WorldModel
+    from .world_model import WorldModel, check_reencode_every
 
     if steps <= 0 or check_every <= 0:
         raise ValueError(f"--steps and --check-every must be > 0, got {steps} and {check_every}")
@@ -156,6 +157,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         raise ValueError(f"--calib-episodes must be > 0 and --calib-steps >= 5, got {calib_episodes} and {calib_steps}")
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"))
     wm.reencode = reencode
+    if reencode_every is not None:
+        wm.reencode_every = check_reencode_every(reencode_every)
     # the first 50 steps of held-out scripted play: the first one is the rollouts' start, and every 5th frame of
     # them all is the envelope used before (episode starts only), whose false alarms the report compares
     starts = list(heldout_episodes(task, calib_episodes, 50, offset=6000))
@@ -163,7 +166,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     envelope = calibrate(reference_frames(task, calib_episodes, calib_steps, offset=6000))
     check = reference_frames(task, calib_episodes, calib_steps, offset=7000)
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, reencode=reencode,
-                  precision=dtype_name(wm.dtype),
+                  reencode_every=wm.reencode_every if reencode else None, precision=dtype_name(wm.dtype),
                   validity="agent and block detectable; agent area, block area, T-fit residual, share of the fitted "
                            "T inside the frame, mean colour and off-palette share inside the envelope of real frames "
                            "(widened by 25% of its span)",

@@ -28,14 +28,14 @@ class WorldSimVectorEnv(VectorEnv):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None, device: str = "auto",
                  scorer=None, task: str = "tpushing", max_episode_steps: int | None = 300,
                  autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None,
-                 reencode=None, compile=False, precision="auto"):
+                 reencode=None, compile=False, precision="auto", reencode_every=None):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"the vector env renders 'rgb_array' only, got {render_mode!r}")
         self.single_action_space, self.single_observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode, compile, precision)
+            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every)
         self.num_envs, self.render_mode = num_envs, render_mode
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}

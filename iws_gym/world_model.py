@@ -21,13 +21,27 @@ from .decoder import Stage1, Stage1Config, decode
 from .hardware import default_dtype, dtype_name, resolve_device
 from .stages import frames_to_tensor, tensor_to_frames
 
+# With re-encoding on, every REENCODE_EVERY-th step's decoded frame is encoded back into the context and
+# the steps between keep the raw predicted latent (WorldModel.step). Every step is the default: 4 gives
+# sharper rollouts but ranks policies less reliably (docs/model.md, "Re-encoding interval").
+REENCODE_EVERY = 1
+
+
+
+def check_reencode_every(k) -> int:
+    """k as an int >= 1 (steps between re-encodings), or a ValueError that names it."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"reencode_every must be an int >= 1 (steps between re-encodings), got {k!r}")
+    return int(k)
+
+
 STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors", "stage3": "stage3.safetensors"}
 
 
 class WorldModel:
     def __init__(self, stage1: Stage1, device: torch.device, path: Path | None = None, meta: dict | None = None,
                  dtype: torch.dtype | None = None, decoder_steps: int = 1, stage2=None, dynamics_steps: int = 1,
-                 reencode: bool = True):
+                 reencode: bool = True, reencode_every: int = REENCODE_EVERY):
         dtype = dtype or default_dtype(device)  # bf16 where the hardware has it natively, else fp32
         self.device, self.path, self.meta, self.dtype = device, path, meta or {}, dtype
         self.stage1 = stage1.to(device).eval().requires_grad_(False).to(memory_format=torch.channels_last).to(dtype)
@@ -37,6 +51,7 @@ class WorldModel:
         self.frame_size = stage1.cfg.encoder.frame_size
         self.decoder_steps = decoder_steps
         self.reencode = reencode
+        self.reencode_every = reencode_every  # with reencode: every k-th step's frame goes back (1: every step)
 
     def compile(self) -> "WorldModel":
         """torch.compile the dynamics network, where a step spends most of its time (many small ops at
@@ -119,7 +134,8 @@ class WorldModel:
         K = self.stage2.cfg.context
         B = z0.shape[0]
         state = dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
-                     n_valid=torch.ones(B, dtype=torch.long, device=self.device))
+                     n_valid=torch.ones(B, dtype=torch.long, device=self.device),
+                     t=torch.zeros(B, dtype=torch.long, device=self.device))  # steps since start, per env
         if self.tracks_agent:
             if agent_pos is None:
                 raise ValueError(f"{self.path}: this dynamics model tracks the agent; start() needs agent_pos (B, 2)")
@@ -148,21 +164,26 @@ class WorldModel:
             state["agent"] = self.stage2.landing(state["acts"], state["n_valid"]).clamp(0, 512)
         state["ctx"] = torch.cat([state["ctx"][:, 1:], z[:, None]], dim=1)
         state["n_valid"] = (state["n_valid"] + 1).clamp(max=K)
+        state["t"] = state["t"] + 1
         return z
 
     @torch.inference_mode()
     def step(self, state: dict, actions: torch.Tensor, generator: torch.Generator | None = None,
              steps: int | None = None) -> np.ndarray:
         """One env step: predict z_{t+1}, decode the frame the user sees, and (with `reencode`, the
-        default) put that frame's encoding into the context in place of the raw prediction, so the window
-        always holds latents of renderable frames, as at reset. Without it, small off-manifold errors of
-        the prediction feed back into the next one and compound (measured: README, "Re-encoding").
-        Returns the frames (B, H, W, 3) uint8."""
+        default) on every `reencode_every`-th step of each env put that frame's encoding into the context
+        in place of the raw prediction, so the window is regularly pulled back to latents of renderable
+        frames, as at reset. Without it, small off-manifold errors of the prediction feed back into the
+        next one and compound; every step, the decode-encode round trip blurs what the dynamics drew
+        (measured: docs/model.md, "Re-encoding interval"). Returns the frames (B, H, W, 3) uint8."""
         z = self.advance(state, actions, generator=generator, steps=steps)
         frames = self.decode(z, generator=generator)
         if self.reencode:
-            z_obs = self.encode(frames).to(state["ctx"].dtype)
-            state["ctx"] = torch.cat([state["ctx"][:, :-1], z_obs[:, None]], dim=1)
+            due = state["t"] % check_reencode_every(self.reencode_every) == 0  # (B,) envs whose frame goes back this step
+            if bool(due.any()):
+                z_obs = self.encode(frames).to(state["ctx"].dtype)
+                z_last = torch.where(due[:, None, None, None], z_obs, state["ctx"][:, -1])
+                state["ctx"] = torch.cat([state["ctx"][:, :-1], z_last[:, None]], dim=1)
         return frames
 
     @torch.inference_mode()
@@ -221,7 +242,8 @@ def frames_agent_pos(frames: np.ndarray) -> np.ndarray:
 
 
 def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,
-                   reencode: bool = True, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None):
+                   reencode: bool = True, dynamics_sampler: str = "consistency", ctx_sigma: float | None = None,
+                   reencode_every: int | None = None):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
@@ -231,6 +253,8 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
         wm.decoder_steps = decoder_steps or wm.decoder_steps
         wm.dynamics_steps = dynamics_steps or wm.dynamics_steps
         wm.reencode = reencode
+        if reencode_every is not None:
+            wm.reencode_every = check_reencode_every(reencode_every)
         wm.dynamics_sampler = dynamics_sampler
         if ctx_sigma is not None:  # the context's inference noise level (the release's config holds the default)
             if not 0.0 <= ctx_sigma <= wm.stage2.cfg.ctx_sigma_max:
@@ -241,7 +265,7 @@ def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps:
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], seed=0,
                               agent_pos=ep["agent_pos"][:1] if "agent_pos" in ep else None)
 
-        roll.precision, roll.ctx_sigma = dtype_name(wm.dtype), wm.stage2.cfg.ctx_sigma
+        roll.precision, roll.ctx_sigma, roll.reencode_every = dtype_name(wm.dtype), wm.stage2.cfg.ctx_sigma, wm.reencode_every
         return "open_loop_rollout", roll
     wm = WorldModel.from_pretrained(checkpoint)
 

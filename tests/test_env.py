@@ -191,6 +191,16 @@ def test_reencode_is_an_env_option(tiny_checkpoint):
     obs, *_ = env.step(np.array([256.0, 256.0], np.float32))
     assert obs["pixels"].shape == (128, 128, 3)
     assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode is True
+    from iws_gym.world_model import REENCODE_EVERY
+
+    assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode_every == REENCODE_EVERY
+    vec = gym.make_vec("IWS-TPushing-v0", num_envs=2, checkpoint=tiny_checkpoint, device="cpu", reencode_every=3)
+    assert vec.wm.reencode_every == 3
+    vec.reset(seed=0)
+    vec.step(np.full((2, 2), 256.0, np.float32))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="reencode_every"):
+            gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", reencode_every=bad)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),

@@ -344,6 +344,7 @@ def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
     wm = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"))
     frame = np.full((1, 128, 128, 3), 255, np.uint8)
     a = torch.tensor([[300.0, 200.0]])
+    wm.reencode_every = 1  # every step (the interval itself: the test below)
     for reencode in (True, False):
         wm.reencode = reencode
         state = wm.start(wm.encode(frame))
@@ -354,6 +355,31 @@ def test_step_reencodes_the_observed_frame_into_the_context(tiny_checkpoint):
         expect = wm.encode(frames).float() if reencode else z
         torch.testing.assert_close(state["ctx"][:, -1].float(), expect.float())
         torch.testing.assert_close(state["ctx"][:, :-1], ref["ctx"][:, :-1])  # the rest of the window slid as usual
+
+
+def test_reencode_every_k_steps_keeps_the_raw_prediction_in_between(tiny_checkpoint):
+    wm = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"))
+    wm.reencode, wm.reencode_every = True, 3
+    frame = np.full((2, 128, 128, 3), 255, np.uint8)
+    a = torch.tensor([[300.0, 200.0], [100.0, 400.0]])
+    state = wm.start(wm.encode(frame))
+    state["t"][1] = 1  # the second env is one step further along (as after a vector env's partial reset)
+    for step in range(1, 7):
+        ref = {k: v.clone() for k, v in state.items()}
+        z = wm.advance(ref, a, generator=torch.Generator().manual_seed(step))
+        frames = wm.step(state, a, generator=torch.Generator().manual_seed(step))
+        enc = wm.encode(frames).float()
+        for b, t in enumerate((step, step + 1)):
+            expect = enc[b] if t % 3 == 0 else z[b].float()
+            torch.testing.assert_close(state["ctx"][b, -1].float(), expect, msg=f"env {b} at its step {t}")
+    assert state["t"].tolist() == [6, 7]
+    wm.reencode_every = 0
+    with pytest.raises(ValueError, match="reencode_every"):
+        wm.step(state, a)
+    from iws_gym.world_model import load_predictor
+
+    with pytest.raises(ValueError, match="reencode_every must be an int >= 1"):
+        load_predictor(tiny_checkpoint, reencode_every=0)  # refused, not read as "the default"
 
 
 def test_change_weights_emphasise_changing_cells_and_their_neighbours():
