@@ -142,6 +142,12 @@ def _emit(report: dict, path: str | None, summary_only: bool = False):
     print(json.dumps(shown, indent=2, default=str))
 
 
+def _add_reencode_every(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reencode-every", type=int, default=None, metavar="K",
+                   help="re-encode only every K-th frame into the context (gym.make(..., reencode_every=K); "
+                        "default: the env's, every frame)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="iws", description="iws-gym: a learned Push-T simulator as a Gymnasium env")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -205,8 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consistency jumps (the env's) or Euler steps of the probability-flow ODE (a diagnostic)")
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
-    ef.add_argument("--reencode-every", type=int, default=None, metavar="K",
-                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
+    _add_reencode_every(ef)
     ef.add_argument("--ctx-sigma", type=float, default=None,
                     help="noise level of the context latents at inference (default: the release's, 0.02)")
     ef.add_argument("--plot", default=None, help="PNG of per-step metrics")
@@ -252,8 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
-    es.add_argument("--reencode-every", type=int, default=None, metavar="K",
-                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
+    _add_reencode_every(es)
     es.add_argument("--calib-episodes", type=int, default=8,
                     help="real episodes per drive (scripted, random targets) for the validity envelope, as many again "
                          "for its false-alarm check")
@@ -280,8 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--workers", type=int, default=2, help="policies run at once in separate processes")
     ec.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="the learned env re-encodes each observation into its context (its default)")
-    ec.add_argument("--reencode-every", type=int, default=None, metavar="K",
-                    help="with --reencode: every K-th step's frame goes back into the context (default: the env's)")
+    _add_reencode_every(ec)
     ec.add_argument("--checkpoint", default=None)
     ec.add_argument("--device", default="auto")
     ec.add_argument("--plot", default=None)
@@ -329,8 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compile", action="store_true", help="torch.compile the dynamics first (gym.make(..., compile=True))")
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="number format of the networks (auto: bf16 where the hardware has it natively, else fp32)")
-    b.add_argument("--reencode-every", type=int, default=None, metavar="K",
-                   help="re-encode every K-th observation (gym.make(..., reencode_every=K); default: the env's)")
+    _add_reencode_every(b)
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 
