@@ -329,3 +329,15 @@ class Sweep(Behaviour):
         if self.target is not None and np.linalg.norm(self.target - wp) < 1:
             self.i += 1
         return self._move(state, wp, self.speed)
+
+
+class RandomTargets(Behaviour):
+    """EVALUATION ONLY, never in the training mix: a new uniform-random target over the whole box every
+    step, which is what a uniform-random policy (and `iws eval stability`'s random drive) sends. The mix's
+    `jumpy` segments hold a target for 1-5 steps; this one never does, so the agent is always at speed and
+    runs into the block hard."""
+
+    name = "random"
+
+    def act(self, state):
+        return self.rng.uniform(0, 512, size=2)

@@ -149,6 +149,8 @@ def _add_reencode_every(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .collect import HELDOUT_BEHAVIOURS
+
     p = argparse.ArgumentParser(prog="iws", description="iws-gym: a learned Push-T simulator as a Gymnasium env")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -201,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--checkpoint", default=None, help="checkpoint dir; omit to report the baselines only")
     ef.add_argument("--horizon", type=int, default=192)
     ef.add_argument("--episodes", type=int, default=16)
-    ef.add_argument("--behaviour", default="mix", choices=["mix", "unseen", "jittery"],
-                    help="held-out play as in training, an unseen scripted policy, or jittery pushes (iws collect --mix jittery)")
+    ef.add_argument("--behaviour", default="mix", choices=list(HELDOUT_BEHAVIOURS),
+                    help="held-out play as in training, an unseen scripted policy, jittery pushes (iws collect --mix jittery), "
+                         "or a uniform-random target every step (as `iws eval stability` drives the model)")
     ef.add_argument("--episode-offset", type=int, default=0, metavar="N",
                     help="held-out seeds from base + N (default 0: the reports' test episodes; 8000: a validation set)")
     ef.add_argument("--decoder-steps", type=int, default=None)
@@ -271,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     esc.add_argument("--checkpoint", default=None, help="default: the shipped weights (model frames need stage 2)")
     esc.add_argument("--episodes", type=int, default=8)
     esc.add_argument("--steps", type=int, default=100)
-    esc.add_argument("--behaviour", default="mix", choices=["mix", "unseen", "jittery"])
+    esc.add_argument("--behaviour", default="mix", choices=list(HELDOUT_BEHAVIOURS))
     esc.add_argument("--json", default=None)
     esc.set_defaults(fn=cmd_eval_scorer)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .behaviours import SEGMENT_MIX, JitteryPush, Sweep, near_goal_state, sample_episode_plan
+from .behaviours import SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state, sample_episode_plan
 from .data import episode_path, write_episode, write_json_atomic
 from .groundtruth import get_state, make_env
 from .tasks import TaskConfig
@@ -78,7 +78,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     )
 
 
-HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery")
+HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery", "random")
 
 
 def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, progress: bool = False,
@@ -86,7 +86,8 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, prog
     """Held-out ground-truth episodes, generated on the fly from seeds disjoint from any training seed.
 
     behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy; "jittery":
-    whole-episode jittery pushes (`iws collect --mix jittery`)."""
+    whole-episode jittery pushes (`iws collect --mix jittery`); "random": a uniform-random target every step
+    (the evaluation-only RandomTargets, as `iws eval stability` drives the model)."""
     from tqdm import tqdm
 
     if behaviour not in HELDOUT_BEHAVIOURS:
@@ -98,6 +99,8 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, prog
             yield collect_episode(task, seed, steps, env)
         elif behaviour == "jittery":
             yield collect_episode(task, seed, steps, env, plan=episode_plan("jittery", seed, steps))
+        elif behaviour == "random":
+            yield collect_episode(task, seed, steps, env, plan=[("random", RandomTargets(np.random.default_rng([seed, 2])), steps)])
         else:
             yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
 

@@ -225,6 +225,17 @@ class LatentEpisodes:
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv)
 
 
+def reencode_latents(stage1, z: torch.Tensor, generator=None, decoder_steps: int = 1) -> torch.Tensor:
+    """What the env puts into its context in place of a prediction z (B, C, h, w) (WorldModel.step): the
+    stage-1 decoding of z, quantised to the uint8 frame the user sees, encoded again. On tensors, so
+    training (--rollout-reencode) can run it batched without leaving the device."""
+    from .decoder import decode
+
+    x = decode(stage1.decoder, z, decoder_steps, generator=generator)  # (B, 3, H, W) in [-1, 1]
+    x = ((x.float().clamp(-1, 1) + 1) * 127.5).round() / 127.5 - 1  # as tensor_to_frames -> frames_to_tensor
+    return stage1.encoder(x.contiguous(memory_format=torch.channels_last))
+
+
 def encode_frames(frames: np.ndarray, encoder, device, amp: bool = True, batch: int = 256) -> torch.Tensor:
     """(T, H, W, 3) uint8 -> (T, C, h, w) fp16 latents on the CPU."""
     zs = []
@@ -414,6 +425,9 @@ class Stage2Stage(StageBase):
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
+        if a.rollout < 0 or (a.rollout_reencode and a.rollout == 0):
+            raise ValueError(f"--rollout must be >= 0 and --rollout-reencode needs --rollout R > 0, got {a.rollout}")
+        self.reencode_gen = torch.Generator().manual_seed(a.seed)  # the decoder's noise in --rollout-reencode contexts
         if a.change_weight < 0:
             raise ValueError(f"--change-weight must be >= 0, got {a.change_weight}")
         self.model.change_weight = a.change_weight
@@ -491,34 +505,42 @@ class Stage2Stage(StageBase):
     EVAL_DEPTH = 16
 
     @staticmethod
-    def open_loop(model, ctx, act, nv, depth: int, steps: int = 1, generator=None):
+    def open_loop(model, ctx, act, nv, depth: int, steps: int = 1, generator=None, reencode=None):
         """Roll `model` open loop for `depth` steps from real windows (see LatentEpisodes.sample_rollout):
-        returns the last window, its actions and n_valid, and the predictions (B, depth, C, h, w)."""
+        returns the last window, its actions and n_valid, and the predictions (B, depth, C, h, w).
+        reencode: z -> z, applied to each prediction before it joins the window (see `reencoder`)."""
         K = ctx.shape[1]
         preds = []
         for d in range(depth):
             z = model.predict(ctx, act[:, d : d + K], nv, steps=steps, generator=generator).float()
             preds.append(z)
-            ctx = torch.cat([ctx[:, 1:], z[:, None]], dim=1)
+            z_ctx = z if reencode is None else reencode(z).float()
+            ctx = torch.cat([ctx[:, 1:], z_ctx[:, None]], dim=1)
             nv = (nv + 1).clamp(max=K)
         preds = torch.stack(preds, 1) if preds else ctx.new_zeros(ctx.shape[0], 0, *ctx.shape[2:])
         return ctx, act[:, depth : depth + K], nv, preds
 
+    def reencoder(self, z: torch.Tensor) -> torch.Tensor:
+        return reencode_latents(self.stage1, z, self.reencode_gen)
+
     def sample_batch(self, rng, batch):
         """Teacher-forced windows; with --rollout R, half the batches instead have a context whose last r
         frames (r uniform in 1..R) are the current model's own open-loop predictions (no gradient through
-        them) and the real frame after them as target, so it learns to correct its own errors rather
-        than compound them (context noise alone only imitates those errors)."""
+        them; with --rollout-reencode each one decoded and encoded again, as the env does) and the real
+        frame after them as target, so it learns to correct its own errors rather than compound them
+        (context noise alone only imitates those errors)."""
         K, R = self.config.context, self.a.rollout
         if R <= 0 or rng.random() < 0.5:
             ctx, act, tgt, nv = self.data.sample_rollout(rng, batch, K, 0, focus=self.a.focus, drop_agent=self.a.drop_agent,
                                                          corrupt_block=self.a.corrupt_block, jump_focus=self.a.jump_focus)
             return ctx.to(self.device), act.to(self.device), tgt[:, 0].to(self.device), nv.to(self.device)
         r = int(rng.integers(1, R + 1))
-        ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r, focus=self.a.focus))
-        with torch.no_grad():
-            ctx, act, nv, _ = self.open_loop(self.model, ctx, act, nv, r)
-        return ctx, act, tgt[:, r], nv
+        ctx, act, tgt, nv = (t.to(self.device) for t in self.data.sample_rollout(rng, batch, K, r, focus=self.a.focus,
+                                                                                 jump_focus=self.a.jump_focus))
+        with torch.no_grad(), autocast(self.device, self.a.amp):
+            ctx, act, nv, _ = self.open_loop(self.model, ctx, act, nv, r,
+                                             reencode=self.reencoder if self.a.rollout_reencode else None)
+        return ctx.float(), act, tgt[:, r], nv
 
     def evaluate(self, ema) -> dict:
         ctx, act, tgt, nv = (t.to(self.device) for t in self.eval_batch)
@@ -550,12 +572,18 @@ class Stage2Stage(StageBase):
         out[f"open_loop_mse_step{D}"] = (preds[:, -1] - tgt[:, -1]).pow(2).mean().item()
         out[f"open_loop_mse_mean{D}"] = (preds - tgt).pow(2).mean().item()
         out[f"open_loop_mse_step{D}_copy_first"] = (ctx[:, -1] - tgt[:, -1]).pow(2).mean().item()
+        # ... and as the env runs them: every prediction decoded and encoded again before it joins the window
+        gen = torch.Generator().manual_seed(0)
+        *_, preds = self.open_loop(ema, ctx, act, nv, D, generator=torch.Generator().manual_seed(0),
+                                   reencode=lambda z: reencode_latents(self.stage1, z, gen))
+        out[f"open_loop_reencoded_mse_step{D}"] = (preds[:, -1] - tgt[:, -1]).pow(2).mean().item()
+        out[f"open_loop_reencoded_mse_mean{D}"] = (preds - tgt).pow(2).mean().item()
         return out
 
     def export(self, ema, out, result):
         extra = dict(data=str(self.a.data), data_seed=self.meta["seed"], data_episodes=len(self.data.latents),
                      stage1=self.stage1_file, commit=git_commit(), step=result["step"], eval=result["eval"],
-                     task=self.task.name, rollout=self.a.rollout, focus=self.a.focus, change_weight=self.a.change_weight,
+                     task=self.task.name, rollout=self.a.rollout, rollout_reencode=self.a.rollout_reencode, focus=self.a.focus, change_weight=self.a.change_weight,
                      grow_blocks=self.a.grow_blocks, hires_ch=self.config.hires_ch, drop_agent=self.a.drop_agent,
                      corrupt_block=self.a.corrupt_block, corrupt_kinds=self.a.corrupt_kinds if self.a.corrupt_block else None,
                      one_step_loss=self.a.one_step_loss, extra_data=self.extra_meta or None,

@@ -75,6 +75,9 @@ class TrainArgs:
                                       #   with --finetune it starts at zero, so the release's function is kept
     jump_focus: float = 0.0           # stage 2: fraction of windows whose target transition moves the agent more
                                       #   than 30 canvas px (needs --agent-track); see agent_jumps
+    rollout_reencode: bool = False    # stage 2 with --rollout: each predicted latent of those contexts is decoded to
+                                      #   a uint8 frame and encoded back, as the env does (reencode_every=1), so the
+                                      #   network sees the errors of the loop it runs in, not of raw latents
     agent_track: bool = False         # stage 2: condition on the agent track (its position in each context frame
                                       #   and where its fitted motion law puts it next; dynamics.agent_landing); with
                                       #   --finetune of a release without one, the new inputs start at zero

@@ -115,6 +115,21 @@ def test_fidelity_unseen_behaviour_baselines_only(tmp_path):
     assert r["behaviour"] == "unseen" and "model" not in r["summary"]
 
 
+def test_random_behaviour_sends_a_new_uniform_target_every_step():
+    from iws_gym.collect import heldout_episodes
+    from iws_gym.tasks import load_task
+
+    task = load_task("tpushing")
+    ep, again = (next(heldout_episodes(task, 1, 30, behaviour="random")) for _ in range(2))
+    a = ep["actions"]
+    assert a.shape == (30, 2) and (a >= 0).all() and (a <= 512).all()
+    assert (np.linalg.norm(np.diff(a, axis=0), axis=1) > 1).all()  # never held, unlike the mix's jumpy segments
+    assert a[:, 0].std() > 100 and a[:, 1].std() > 100  # spread over the whole box
+    np.testing.assert_array_equal(a, again["actions"])  # held-out seeds: the same episode every time
+    np.testing.assert_array_equal(ep["frames"], again["frames"])
+    assert ep["plan"] == [("random", 30)] and (ep["segments"] == -1).all()  # not a training segment
+
+
 def test_fidelity_bad_input(tmp_path):
     proc = run_iws("eval", "fidelity", "--horizon", 0, "--episodes", 1, check=False)
     assert proc.returncode == 2 and "--horizon" in proc.stderr

@@ -301,7 +301,8 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
             "--corrupt-kinds", "ghost,bend", "--out", out,
             "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
-    assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first"} <= set(r["eval"])
+    assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first", "open_loop_reencoded_mse_step16"} <= set(r["eval"])
+    assert r["eval"]["open_loop_reencoded_mse_step16"] != r["eval"]["open_loop_mse_step16"]  # a different loop
     _, sd0, meta0 = load_release(tiny_checkpoint / "stage2.safetensors", "stage2", DynamicsConfig)
     cfg1, sd1, meta1 = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
     assert cfg1.ch == 16  # the release's (tiny) config, not the default one
@@ -681,3 +682,31 @@ def test_jump_focus_draws_the_fast_agent_transitions():
     assert 0.2 < (t == 6).float().mean() < 0.4  # ~30% from the block-moving list
     with pytest.raises(ValueError, match="jump_focus"):
         lat.sample_rollout(np.random.default_rng(0), 8, 3, 0, focus=0.6, jump_focus=0.6)
+
+
+def test_training_reencodes_as_the_env_does(tiny_checkpoint):
+    """--rollout-reencode's tensor round trip puts the same latents into the context as WorldModel.step."""
+    from iws_gym.stages import reencode_latents
+
+    wm = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"), dtype=torch.float32)
+    z = wm.encode(np.random.default_rng(0).integers(0, 256, (3, 128, 128, 3), dtype=np.uint8))
+    z = z + 0.3 * torch.randn(z.shape, generator=torch.Generator().manual_seed(1))  # off the encoder's manifold
+    want = wm.encode(wm.decode(z, steps=1, generator=torch.Generator().manual_seed(5)))
+    with torch.no_grad():
+        got = reencode_latents(wm.stage1, z, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - z).abs().max() > 1e-2  # the round trip is not the identity on these latents
+
+
+def test_rollout_reencode_training_and_its_errors(tiny_dataset, tiny_checkpoint, tmp_path):
+    out = tmp_path / "ro"
+    run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
+            "--out", out, "--steps", 4, "--batch", 4, "--eval-every", 100, "--ckpt-every", 100, "--warmup", 1,
+            "--rollout", 2, "--rollout-reencode")
+    from iws_gym.checkpoint import load_release
+
+    _, _, meta = load_release(out / "stage2.safetensors", "stage2", DynamicsConfig)
+    assert meta["rollout"] == 2 and meta["rollout_reencode"] is True
+    bad = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", tmp_path / "bad",
+                  "--steps", 2, "--batch", 4, "--preset", "tiny", "--rollout-reencode", check=False)
+    assert bad.returncode != 0 and "--rollout-reencode needs --rollout" in bad.stderr
