@@ -27,7 +27,6 @@ from .stages import frames_to_tensor, tensor_to_frames
 REENCODE_EVERY = 1
 
 
-
 def check_reencode_every(k) -> int:
     """k as an int >= 1 (steps between re-encodings), or a ValueError that names it."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
