@@ -44,6 +44,22 @@ def cmd_eval_fidelity(a):
     _emit(report, a.json, summary_only=True)
 
 
+def cmd_eval_compare(a):
+    from .evaluate import compare_fidelity
+
+    reports = []
+    for path in (a.a, a.b):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"report {path} does not exist")
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"report {path} is not valid JSON ({e})") from None
+    result = compare_fidelity(*reports, predictor=a.predictor)
+    result["a"]["report"], result["b"]["report"] = a.a, a.b
+    _emit(result, a.json)
+
+
 def cmd_eval_contact(a):
     from .evaluate import contact_error
 
@@ -221,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--grid", default=None, help="PNG of the first 3 episodes' frames, true above predicted, at steps 0-192")
     ef.add_argument("--json", default=None)
     ef.set_defaults(fn=cmd_eval_fidelity)
+
+    ecm = esub.add_parser("compare", help="paired per-episode comparison of two fidelity reports on the same episodes")
+    ecm.add_argument("a", help="the baseline's `iws eval fidelity --json` report")
+    ecm.add_argument("b", help="the candidate's report, on the same held-out episodes")
+    ecm.add_argument("--predictor", default="model", choices=["model", "copy_first_frame", "ground_truth_rerender"])
+    ecm.add_argument("--json", default=None)
+    ecm.set_defaults(fn=cmd_eval_compare)
 
     eco = esub.add_parser("contact", help="one-step dynamics error on all vs block-moving windows, train vs held out")
     eco.add_argument("--task", default="tpushing")

@@ -160,6 +160,11 @@ def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
         per_step = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim")
                     else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
     s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
+    # each episode's mean over steps 1..T, and how far the mean over episodes could move with other episodes
+    for k in ("psnr", "ssim"):
+        per_ep = np.nanmean(arr[k][:, 1:], axis=1)
+        s[f"{k}_per_episode"] = per_ep.tolist()
+        s[f"{k}_ci95"] = bootstrap_ci(per_ep)
     for k in POSE_KEYS:
         found = ~np.isnan(arr[k])
         per_step[f"{k}_found"] = found.mean(axis=0).tolist()
@@ -173,6 +178,48 @@ def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
                 strict = float(np.median(np.where(found[:, t], arr[k][:, t], np.inf)))
                 s[f"{k}_median_counting_lost@{t}"] = strict if np.isfinite(strict) else None
     return per_step, s
+
+
+def bootstrap_ci(v, level: float = 0.95, resamples: int = 4000, seed: int = 0) -> list[float]:
+    """Percentile bootstrap interval of the mean of `v` (one value per episode), resampling episodes.
+    Seeded, so a report is reproducible; one episode gives the degenerate interval [v, v]."""
+    v = np.asarray(v, dtype=np.float64)
+    if v.ndim != 1 or not len(v) or np.isnan(v).any():
+        raise ValueError(f"bootstrap_ci needs a non-empty 1D array without NaN, got shape {v.shape}")
+    means = v[np.random.default_rng(seed).integers(0, len(v), (resamples, len(v)))].mean(axis=1)
+    a = (1 - level) / 2
+    return [float(np.quantile(means, a)), float(np.quantile(means, 1 - a))]
+
+
+COMPARE_KEYS = ("psnr", "ssim")
+
+
+def compare_fidelity(a: dict, b: dict, predictor: str = "model") -> dict:
+    """Paired comparison of two fidelity reports on the same held-out episodes (`iws eval compare`):
+    per-episode differences b - a of each frame metric, their mean with a bootstrap 95% interval, and the
+    share of episodes where b is ahead. Pairing removes the episode-to-episode spread (one episode that
+    keeps or loses its block), which dominates the interval of either mean alone."""
+    for name, r in (("A", a), ("B", b)):
+        if "summary" not in r or predictor not in r["summary"]:
+            raise ValueError(f"report {name} has no summary for predictor {predictor!r} (is it an `iws eval fidelity` JSON?)")
+        missing = [k for k in COMPARE_KEYS if f"{k}_per_episode" not in r["summary"][predictor]]
+        if missing:
+            raise ValueError(f"report {name} lacks per-episode values ({missing[0]}_per_episode): it predates them; rerun it")
+    for key in ("task", "horizon", "behaviour", "heldout_seeds"):
+        if a.get(key) != b.get(key):
+            raise ValueError(f"the reports are not on the same episodes: {key} is {a.get(key)!r} in A and {b.get(key)!r} in B")
+    out = dict(task=a["task"], horizon=a["horizon"], behaviour=a["behaviour"], heldout_seeds=a["heldout_seeds"],
+               episodes=len(a["summary"][predictor]["psnr_per_episode"]), predictor=predictor,
+               a=dict(checkpoint=a.get("checkpoint"), reencode_every=a.get("reencode_every")),
+               b=dict(checkpoint=b.get("checkpoint"), reencode_every=b.get("reencode_every")), metrics={})
+    for k in COMPARE_KEYS:
+        va = np.asarray(a["summary"][predictor][f"{k}_per_episode"])
+        vb = np.asarray(b["summary"][predictor][f"{k}_per_episode"])
+        d = vb - va
+        out["metrics"][k] = dict(a=float(va.mean()), b=float(vb.mean()), diff_b_minus_a=float(d.mean()),
+                                 diff_ci95=bootstrap_ci(d), b_ahead_share=float((d > 0).mean()),
+                                 a_ci95=bootstrap_ci(va), b_ci95=bootstrap_ci(vb))
+    return out
 
 
 GRID_STEPS = (0, 4, 8, 16, 32, 64, 128, 192)

@@ -205,3 +205,64 @@ def test_fidelity_summary_counts_where_the_object_was_found():
     arr["block_px"][:] = nan
     _, s = summarise(arr, T)
     assert np.isnan(s["block_px_median"]) and s["block_px_found@32"] == 0 and s["block_px_missing_frac"] == 1.0
+
+
+def test_fidelity_summary_has_per_episode_values_and_a_bootstrap_interval():
+    from iws_gym.evaluate import bootstrap_ci, summarise
+
+    T = 8
+    arr = {k: np.ones((4, T + 1)) for k in ("mse", "psnr", "ssim", "agent_px", "block_px", "block_rad", "coverage")}
+    arr["psnr"] = np.array([[99.0] + [p] * T for p in (20.0, 24.0, 28.0, 32.0)])  # step 0 is not a prediction
+    _, s = summarise(arr, T)
+    assert s["psnr_per_episode"] == [20.0, 24.0, 28.0, 32.0] and s["psnr"] == 26.0
+    lo, hi = s["psnr_ci95"]
+    assert 20.0 <= lo < 26.0 < hi <= 32.0
+    assert bootstrap_ci([20.0, 24.0, 28.0, 32.0]) == s["psnr_ci95"]  # seeded: reproducible
+    assert bootstrap_ci([27.5]) == [27.5, 27.5]
+    narrow = bootstrap_ci(np.full(16, 26.0) + np.linspace(-0.1, 0.1, 16))
+    assert narrow[1] - narrow[0] < hi - lo  # less spread between episodes, a tighter interval
+    with pytest.raises(ValueError, match="NaN"):
+        bootstrap_ci([1.0, np.nan])
+
+
+def _fake_report(psnr, seeds=(1000000, 1000003)):
+    s = dict(psnr_per_episode=list(psnr), ssim_per_episode=[0.9] * len(psnr))
+    return dict(task="tpushing", horizon=192, behaviour="mix", heldout_seeds=list(seeds), checkpoint="x",
+                summary=dict(model=s))
+
+
+def test_compare_pairs_episodes():
+    from iws_gym.evaluate import compare_fidelity
+
+    a = _fake_report([20.0, 30.0, 25.0, 35.0])  # a wide spread between episodes ...
+    b = _fake_report([20.5, 30.5, 25.5, 35.0])  # ... and b a little ahead on three of them
+    m = compare_fidelity(a, b)["metrics"]["psnr"]
+    assert m["diff_b_minus_a"] == pytest.approx(0.375) and m["b_ahead_share"] == 0.75
+    lo, hi = m["diff_ci95"]
+    assert 0 <= lo <= 0.375 <= hi <= 0.5  # paired: the interval of the difference is far tighter ...
+    assert m["b_ci95"][1] - m["b_ci95"][0] > 5  # ... than either mean's
+    assert compare_fidelity(b, a)["metrics"]["psnr"]["diff_b_minus_a"] == pytest.approx(-0.375)
+    with pytest.raises(ValueError, match="heldout_seeds"):
+        compare_fidelity(a, _fake_report([1.0] * 4, seeds=(1008000, 1008003)))
+    old = _fake_report([1.0] * 4)
+    del old["summary"]["model"]["psnr_per_episode"]
+    with pytest.raises(ValueError, match="per-episode"):
+        compare_fidelity(old, a)
+    with pytest.raises(ValueError, match="predictor 'model'"):
+        compare_fidelity(dict(summary={}), a)
+
+
+def test_compare_command(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
+    run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--json", a)
+    run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--episode-offset", 8000, "--json", b)
+    run_iws("eval", "compare", a, a, "--predictor", "copy_first_frame", "--json", out)
+    r = json.loads(out.read_text())
+    m = r["metrics"]["psnr"]
+    assert r["episodes"] == 2 and m["diff_b_minus_a"] == 0.0 and m["diff_ci95"] == [0.0, 0.0] and m["a"] > 15
+    proc = run_iws("eval", "compare", a, b, "--predictor", "copy_first_frame", check=False)
+    assert proc.returncode == 2 and "heldout_seeds" in proc.stderr
+    proc = run_iws("eval", "compare", a, a, check=False)  # baselines only: no model in these reports
+    assert proc.returncode == 2 and "'model'" in proc.stderr
+    proc = run_iws("eval", "compare", a, tmp_path / "nope.json", check=False)
+    assert proc.returncode == 2 and "nope.json" in proc.stderr
