@@ -212,13 +212,13 @@ def compare_fidelity(a: dict, b: dict, predictor: str = "model") -> dict:
                episodes=len(a["summary"][predictor]["psnr_per_episode"]), predictor=predictor,
                a=dict(checkpoint=a.get("checkpoint"), reencode_every=a.get("reencode_every")),
                b=dict(checkpoint=b.get("checkpoint"), reencode_every=b.get("reencode_every")), metrics={})
+    sa, sb = a["summary"][predictor], b["summary"][predictor]
     for k in COMPARE_KEYS:
-        va = np.asarray(a["summary"][predictor][f"{k}_per_episode"])
-        vb = np.asarray(b["summary"][predictor][f"{k}_per_episode"])
+        va, vb = np.asarray(sa[f"{k}_per_episode"]), np.asarray(sb[f"{k}_per_episode"])
         d = vb - va
         out["metrics"][k] = dict(a=float(va.mean()), b=float(vb.mean()), diff_b_minus_a=float(d.mean()),
                                  diff_ci95=bootstrap_ci(d), b_ahead_share=float((d > 0).mean()),
-                                 a_ci95=bootstrap_ci(va), b_ci95=bootstrap_ci(vb))
+                                 a_ci95=sa.get(f"{k}_ci95") or bootstrap_ci(va), b_ci95=sb.get(f"{k}_ci95") or bootstrap_ci(vb))
     return out
 
 
