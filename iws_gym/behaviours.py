@@ -332,10 +332,10 @@ class Sweep(Behaviour):
 
 
 class RandomTargets(Behaviour):
-    """EVALUATION ONLY, never in the training mix: a new uniform-random target over the whole box every
-    step, which is what a uniform-random policy (and `iws eval stability`'s random drive) sends. The mix's
-    `jumpy` segments hold a target for 1-5 steps; this one never does, so the agent is always at speed and
-    runs into the block hard."""
+    """A new uniform-random target over the whole box every step, which is what a uniform-random policy
+    (and `iws eval stability`'s random drive) sends. Not in the default play mix; collected only on request
+    (`iws collect --mix random`). The mix's `jumpy` segments hold a target for 1-5 steps; this one never
+    does, so the agent is always at speed and runs into the block hard."""
 
     name = "random"
 

@@ -86,6 +86,59 @@ def load_release(path: Path, kind: str, config_cls):
     return cfg, sd, {k: json.loads(v) for k, v in meta.items() if k not in ("kind", "config")}
 
 
+def average_releases(paths: list, out: Path, weights: list | None = None) -> dict:
+    """Weight average ("model soup") of releases of one kind and config, e.g. fine-tunes of one release.
+
+    Floating tensors are averaged in fp32 (`weights`: one per file, default uniform) and stored in the
+    first file's dtype; other tensors and the metadata are the first file's, with the sources under
+    `averaged_from`. Errors name the file and the key that does not match. Returns a summary."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
+    paths = [Path(p) for p in paths]
+    if len(paths) < 2:
+        raise ValueError(f"averaging needs at least two files, got {len(paths)}")
+    weights = [1.0 / len(paths)] * len(paths) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(paths) or any(w < 0 for w in weights) or abs(sum(weights) - 1) > 1e-6:
+        raise ValueError(f"weights must be one non-negative number per file summing to 1, got {weights}")
+    metas, sds = [], []
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"checkpoint file {p} does not exist")
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                metas.append(f.metadata() or {})
+                sds.append({k: f.get_tensor(k) for k in f.keys()})
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{p}: not a readable safetensors file, truncated or corrupt ({e})") from None
+    for p, m, sd in zip(paths[1:], metas[1:], sds[1:]):
+        for key in ("kind", "config"):
+            if m.get(key) != metas[0].get(key):
+                raise ValueError(f"{p}: metadata {key!r} differs from {paths[0]}'s; only releases of one model can be averaged")
+        if set(sd) != set(sds[0]):
+            raise ValueError(f"{p}: tensor names differ from {paths[0]}'s: {sorted(set(sd) ^ set(sds[0]))[:5]}")
+        bad = [k for k in sd if sd[k].shape != sds[0][k].shape]
+        if bad:
+            raise ValueError(f"{p}: tensor {bad[0]!r} has shape {tuple(sd[bad[0]].shape)}, {paths[0]} {tuple(sds[0][bad[0]].shape)}")
+    avg = {}
+    for k, v0 in sds[0].items():
+        if v0.is_floating_point():
+            xs = torch.stack([sd[k].float() for sd in sds])  # (n_files, *shape)
+            w = torch.tensor(weights).view(-1, *[1] * v0.dim())
+            mean = xs.mean(0) if len(set(weights)) == 1 else (xs * w).sum(0)
+            avg[k] = mean.to(v0.dtype).contiguous()
+        else:
+            avg[k] = v0
+    meta = dict(metas[0])
+    meta["averaged_from"] = json.dumps([dict(file=str(p), weight=w) for p, w in zip(paths, weights)])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(avg, str(tmp), metadata=meta)
+    os.replace(tmp, out)
+    return dict(out=str(out), kind=meta.get("kind"), averaged_from=json.loads(meta["averaged_from"]), tensors=len(avg))
+
+
 def load_state_checked(module: torch.nn.Module, sd: dict, path) -> None:
     own = module.state_dict()
     bad_shape = [k for k, v in own.items() if k in sd and sd[k].shape != v.shape]

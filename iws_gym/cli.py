@@ -142,6 +142,12 @@ def cmd_bench(a):
                 a.precision, a.reencode_every), a.json)
 
 
+def cmd_average(a):
+    from .checkpoint import average_releases
+
+    _emit(average_releases([Path(f) for f in a.files], Path(a.out), a.weights), None)
+
+
 def cmd_release(a):
     from .release import release
 
@@ -177,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="episode i uses seed S+i (must stay below the held-out range)")
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
-    c.add_argument("--mix", default="play", choices=["play", "jittery"],
-                   help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps")
+    c.add_argument("--mix", default="play", choices=["play", "jittery", "random"],
+                   help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
+                        "random: whole episodes of a uniform-random target every step (the stability check's random drive)")
     c.set_defaults(fn=cmd_collect)
 
     s = sub.add_parser("data-stats", help="behaviour-mix statistics, plots and loader throughput of a dataset")
@@ -361,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reencode_every(b)
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
+
+    av = sub.add_parser("average", help="weight average of releases of one model (e.g. fine-tunes of one release)")
+    av.add_argument("files", nargs="+", help="two or more <stage>.safetensors files of the same kind and config")
+    av.add_argument("--out", required=True, help="the averaged .safetensors file to write")
+    av.add_argument("--weights", type=float, nargs="*", default=None, help="one per file, summing to 1 (default: uniform)")
+    av.set_defaults(fn=cmd_average)
 
     r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
     r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json, or a candidate "

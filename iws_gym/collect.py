@@ -17,8 +17,10 @@ from .data import episode_path, write_episode, write_json_atomic
 from .groundtruth import get_state, make_env
 from .tasks import TaskConfig
 
-SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery"]  # append only: files store indices
-MIXES = ("play", "jittery")  # `iws collect --mix`: the default play mix, or whole-episode jittery pushes
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random"]  # append only: files store indices
+# `iws collect --mix`: the default play mix, whole-episode jittery pushes, or whole episodes of a uniform-random
+# target every step (the stability check's random drive, `behaviours.RandomTargets`)
+MIXES = ("play", "jittery", "random")
 
 
 def check_mix(mix: str) -> None:
@@ -31,7 +33,17 @@ def episode_plan(mix: str, seed: int, steps: int):
     check_mix(mix)
     if mix == "play":
         return None
+    if mix == "random":
+        return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
     return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
+
+
+def mix_of(plan: str) -> str:
+    """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
+    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:")):
+        if plan.startswith(prefix):
+            return mix
+    return "play"
 
 
 def git_commit() -> str:
@@ -100,7 +112,7 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, offset: int = 0, prog
         elif behaviour == "jittery":
             yield collect_episode(task, seed, steps, env, plan=episode_plan("jittery", seed, steps))
         elif behaviour == "random":
-            yield collect_episode(task, seed, steps, env, plan=[("random", RandomTargets(np.random.default_rng([seed, 2])), steps)])
+            yield collect_episode(task, seed, steps, env, plan=episode_plan("random", seed, steps))
         else:
             yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
 
@@ -144,10 +156,10 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
 
         i = min(done)
         attrs = read_episode(episode_path(out, i), keys=())["attrs"]
-        jittery = str(attrs.get("plan", "")).startswith("push_jittery:")
-        if int(attrs.get("seed", -1)) != seed + i or jittery != (mix == "jittery"):
+        was = mix_of(str(attrs.get("plan", "")))
+        if int(attrs.get("seed", -1)) != seed + i or was != mix:
             raise ValueError(f"cannot resume {out} with --seed {seed} --mix {mix}: its episode {i} was collected with "
-                             f"seed {attrs.get('seed')} and mix {'jittery' if jittery else 'play'} (expected seed {seed + i})")
+                             f"seed {attrs.get('seed')} and mix {was} (expected seed {seed + i})")
     env = make_env(task.frame_size)
     t0 = time.time()
     todo = [i for i in range(episodes) if i not in done]

@@ -174,7 +174,7 @@ def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
     assert set(ep["segments"].tolist()) == {SEGMENT_NAMES.index("push_jittery")}
     assert ep["attrs"]["plan"] == "push_jittery:30"
     # the default play mix keeps its indices (files store them), and the new name comes last
-    assert SEGMENT_NAMES[:2] == ["push", "push_noisy"] and SEGMENT_NAMES[-1] == "push_jittery"
+    assert SEGMENT_NAMES[:2] == ["push", "push_noisy"] and SEGMENT_NAMES[-2:] == ["push_jittery", "random"]
     # deterministic, like every collection
     again = collect_episode(TASK, 11, 30, plan=[("push_jittery", JitteryPush(np.random.default_rng([11, 1])), 30)])
     np.testing.assert_array_equal(again["actions"], ep["actions"])
@@ -186,6 +186,30 @@ def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
     push = JitteryPush(np.random.default_rng(1), p=0.0)
     acts = np.array([push.act(state) for _ in range(20)])
     assert np.all(np.linalg.norm(np.diff(acts, axis=0), axis=1) <= push.max_speed + 1e-6)
+
+
+def test_random_mix_records_the_stability_drive_and_resumes_only_as_random(tmp_path):
+    from iws_gym.collect import SEGMENT_NAMES, mix_of
+
+    out = tmp_path / "rnd"
+    meta = collect(TASK, 2, out, seed=21, steps=12, progress=False, mix="random")
+    assert meta["mix"] == "random" and load_meta(out)["mix"] == "random"
+    ep = read_episode(episode_path(out, 1))
+    assert set(ep["segments"].tolist()) == {SEGMENT_NAMES.index("random")} and ep["attrs"]["plan"] == "random:12"
+    a = ep["actions"]
+    assert (np.linalg.norm(np.diff(a, axis=0), axis=1) > 1).all()  # a new target every step, never held
+    # deterministic: episode_plan("random", seed) (also the held-out random drive's plan) regenerates it
+    from iws_gym.collect import episode_plan
+
+    again = collect_episode(TASK, 22, 12, plan=episode_plan("random", 22, 12))
+    np.testing.assert_array_equal(again["actions"], a)
+    assert [mix_of(p) for p in ("random:12", "push_jittery:30", "push:100;free:100", "")] == ["random", "jittery", "play", "play"]
+    # resuming a random collection as play (or the reverse) is refused, naming the mix it was collected with
+    episode_path(out, 1).unlink()
+    with pytest.raises(ValueError, match="mix random"):
+        collect(TASK, 2, out, seed=21, steps=12, resume=True, progress=False)
+    collect(TASK, 2, out, seed=21, steps=12, resume=True, progress=False, mix="random")
+    np.testing.assert_array_equal(read_episode(episode_path(out, 1))["actions"], a)
 
 
 def test_collect_names_a_bad_mix(tmp_path):

@@ -127,7 +127,12 @@ def test_random_behaviour_sends_a_new_uniform_target_every_step():
     assert a[:, 0].std() > 100 and a[:, 1].std() > 100  # spread over the whole box
     np.testing.assert_array_equal(a, again["actions"])  # held-out seeds: the same episode every time
     np.testing.assert_array_equal(ep["frames"], again["frames"])
-    assert ep["plan"] == [("random", 30)] and (ep["segments"] == -1).all()  # not a training segment
+    from iws_gym.behaviours import SEGMENT_MIX
+    from iws_gym.collect import SEGMENT_NAMES
+
+    # its own segment name (collected only on request, `iws collect --mix random`), never in the play mix
+    assert ep["plan"] == [("random", 30)] and (ep["segments"] == SEGMENT_NAMES.index("random")).all()
+    assert "random" not in [m[0] for m in SEGMENT_MIX]
 
 
 def test_fidelity_bad_input(tmp_path):

@@ -710,3 +710,40 @@ def test_rollout_reencode_training_and_its_errors(tiny_dataset, tiny_checkpoint,
     bad = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--out", tmp_path / "bad",
                   "--steps", 2, "--batch", 4, "--preset", "tiny", "--rollout-reencode", check=False)
     assert bad.returncode != 0 and "--rollout-reencode needs --rollout" in bad.stderr
+
+
+def test_average_releases_is_the_weighted_mean_and_refuses_other_models(tmp_path):
+    from iws_gym.checkpoint import average_releases, load_release, save_release
+
+    cfg = DynamicsConfig()
+    torch.manual_seed(0)
+    sds = [{"w": torch.randn(4, 3), "n": torch.tensor([7])} for _ in range(3)]
+    files = [tmp_path / f"{i}.safetensors" for i in range(3)]
+    for f, sd in zip(files, sds):
+        save_release(f, sd, "stage2", cfg, dict(step=1))
+    out = tmp_path / "avg.safetensors"
+    r = average_releases(files, out)
+    assert r["tensors"] == 2 and [a["weight"] for a in r["averaged_from"]] == pytest.approx([1 / 3] * 3)
+    cfg2, sd, meta = load_release(out, "stage2", DynamicsConfig)
+    assert cfg2 == cfg and meta["step"] == 1 and len(meta["averaged_from"]) == 3
+    want = torch.stack([s["w"].to(torch.bfloat16).float() for s in sds]).mean(0).to(torch.bfloat16).float()
+    torch.testing.assert_close(sd["w"], want)
+    assert sd["n"].tolist() == [7]  # integer tensors are the first file's
+    # weights: all on the second file gives the second file back
+    average_releases(files, out, weights=[0, 1, 0])
+    torch.testing.assert_close(load_release(out, "stage2", DynamicsConfig)[1]["w"], sds[1]["w"].to(torch.bfloat16).float())
+    # refusals name the problem, and the existing output is kept
+    stamp = out.read_bytes()
+    save_release(tmp_path / "other.safetensors", sds[0], "stage2", dataclasses.replace(cfg, latent_ch=cfg.latent_ch + 1))
+    with pytest.raises(ValueError, match="metadata 'config' differs"):
+        average_releases([files[0], tmp_path / "other.safetensors"], out)
+    save_release(tmp_path / "shape.safetensors", {"w": torch.zeros(3, 4), "n": torch.tensor([7])}, "stage2", cfg)
+    with pytest.raises(ValueError, match="tensor 'w' has shape"):
+        average_releases([files[0], tmp_path / "shape.safetensors"], out)
+    with pytest.raises(ValueError, match="at least two"):
+        average_releases(files[:1], out)
+    with pytest.raises(ValueError, match="summing to 1"):
+        average_releases(files, out, weights=[0.5, 0.5])
+    assert out.read_bytes() == stamp
+    proc = run_iws("average", files[0], tmp_path / "missing.safetensors", "--out", tmp_path / "x.safetensors", check=False)
+    assert proc.returncode == 2 and "missing.safetensors does not exist" in proc.stderr
