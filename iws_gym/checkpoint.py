@@ -51,32 +51,41 @@ def atomic_torch_save(obj, path: Path) -> None:
 def save_release(path: Path, state_dict: dict, kind: str, config, extra: dict | None = None,
                  dtype=torch.bfloat16) -> None:
     """Write weights (floating tensors cast to `dtype`) with the config in the safetensors metadata."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
                for k, v in state_dict.items()}
     meta = {"kind": kind, "config": json.dumps(config_to_dict(config))}
     meta.update({k: json.dumps(v) for k, v in (extra or {}).items()})
+    _write_safetensors(path, tensors, meta)
+
+
+def _write_safetensors(path: Path, tensors: dict, meta: dict) -> None:
+    """Atomic write: a temporary file renamed over `path`, so a crash never leaves half a checkpoint."""
+    from safetensors.torch import save_file
+
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
 
 
-def load_release(path: Path, kind: str, config_cls):
-    """-> (config, state_dict (float32), metadata). Errors name the file and what is wrong."""
+def _read_safetensors(path: Path) -> tuple[dict, dict]:
+    """-> (metadata strings, tensors as stored). Errors name the file."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({e})") from None
+
+
+def load_release(path: Path, kind: str, config_cls):
+    """-> (config, state_dict (float32), metadata). Errors name the file and what is wrong."""
+    path = Path(path)
+    meta, sd = _read_safetensors(path)
     if meta.get("kind") != kind:
         raise ValueError(f"{path}: holds a {meta.get('kind')!r} model, expected {kind!r}")
     if "config" not in meta:
@@ -92,25 +101,13 @@ def average_releases(paths: list, out: Path, weights: list | None = None) -> dic
     Floating tensors are averaged in fp32 (`weights`: one per file, default uniform) and stored in the
     first file's dtype; other tensors and the metadata are the first file's, with the sources under
     `averaged_from`. Errors name the file and the key that does not match. Returns a summary."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-
     paths = [Path(p) for p in paths]
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least two files, got {len(paths)}")
     weights = [1.0 / len(paths)] * len(paths) if weights is None else [float(w) for w in weights]
     if len(weights) != len(paths) or any(w < 0 for w in weights) or abs(sum(weights) - 1) > 1e-6:
         raise ValueError(f"weights must be one non-negative number per file summing to 1, got {weights}")
-    metas, sds = [], []
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"checkpoint file {p} does not exist")
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                metas.append(f.metadata() or {})
-                sds.append({k: f.get_tensor(k) for k in f.keys()})
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{p}: not a readable safetensors file, truncated or corrupt ({e})") from None
+    metas, sds = zip(*(_read_safetensors(p) for p in paths))
     for p, m, sd in zip(paths[1:], metas[1:], sds[1:]):
         for key in ("kind", "config"):
             if m.get(key) != metas[0].get(key):
@@ -124,8 +121,10 @@ def average_releases(paths: list, out: Path, weights: list | None = None) -> dic
     for k, v0 in sds[0].items():
         if v0.is_floating_point():
             xs = torch.stack([sd[k].float() for sd in sds])  # (n_files, *shape)
-            w = torch.tensor(weights).view(-1, *[1] * v0.dim())
-            mean = xs.mean(0) if len(set(weights)) == 1 else (xs * w).sum(0)
+            if len(set(weights)) == 1:
+                mean = xs.mean(0)
+            else:
+                mean = (xs * torch.tensor(weights).view(-1, *[1] * v0.dim())).sum(0)
             avg[k] = mean.to(v0.dtype).contiguous()
         else:
             avg[k] = v0
@@ -133,9 +132,7 @@ def average_releases(paths: list, out: Path, weights: list | None = None) -> dic
     meta["averaged_from"] = json.dumps([dict(file=str(p), weight=w) for p, w in zip(paths, weights)])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(avg, str(tmp), metadata=meta)
-    os.replace(tmp, out)
+    _write_safetensors(out, avg, meta)
     return dict(out=str(out), kind=meta.get("kind"), averaged_from=json.loads(meta["averaged_from"]), tensors=len(avg))
 
 
