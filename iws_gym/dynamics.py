@@ -64,6 +64,10 @@ class DynamicsConfig:
     # the agent track (see agent_landing): the fitted motion law of the agent, (c_pt, c_pt-1, c_at, c_at-1,
     # d_pt, d_at); empty: no track, the network sees actions only
     agent_motion: tuple = ()
+    # the block track (see block_maps): the network also gets a map of the T at its pose in each context
+    # frame, and at the target slot the last one (held); needs the agent track (the pose rides in the
+    # same action rows). In the env the pose is read from each decoded frame and held where none is found.
+    block_track: bool = False
 
 
 class FactorisedConv3d(nn.Module):
@@ -210,6 +214,7 @@ class DynBlock(nn.Module):
 
 ACTION_MAP_CH = 5
 AGENT_MAP_CH = 3
+BLOCK_MAP_CH = 3
 
 
 def agent_landing(pos: torch.Tensor, actions: torch.Tensor, n_valid: torch.Tensor, coef) -> torch.Tensor:
@@ -271,9 +276,33 @@ def action_maps(actions_in: torch.Tensor, valid: torch.Tensor, size: int, blob: 
     return torch.stack([gx.expand(B, T, size, size), gy.expand(B, T, size, size), dx, dy, bl], dim=2)
 
 
+def block_maps(pose: torch.Tensor, valid: torch.Tensor, size: int, canvas: float = 512.0) -> torch.Tensor:
+    """Where the T block is, as maps on the latent grid: pose (B, T, 3) body origin (x, y) in canvas px
+    and angle (gym-pusht's block pose), valid (B, T) bool -> (B, T, 3, size, size): the T's coverage of
+    each cell (a linear ramp one cell wide across its edges, from the T's signed distance) and that
+    coverage times cos and sin of the angle (which way the T points; coverage alone is symmetric)."""
+    cell = canvas / size
+    g = (torch.arange(size, device=pose.device, dtype=torch.float32) + 0.5) * cell
+    gy, gx = torch.meshgrid(g, g, indexing="ij")
+    p = pose.float()
+    x, y, th = p[..., 0, None, None], p[..., 1, None, None], p[..., 2, None, None]
+    c, s = torch.cos(th), torch.sin(th)
+    dx, dy = gx - x, gy - y
+    lx, ly = dx * c + dy * s, -dx * s + dy * c                        # canvas -> body frame (B, T, size, size)
+
+    def box(cx, cy, hx, hy):  # signed distance to an axis-aligned box in the body frame
+        qx, qy = (lx - cx).abs() - hx, (ly - cy).abs() - hy
+        return torch.hypot(qx.clamp_min(0), qy.clamp_min(0)) + torch.maximum(qx, qy).clamp_max(0)
+
+    sdf = torch.minimum(box(0.0, 15.0, 60.0, 15.0), box(0.0, 75.0, 15.0, 45.0))  # bar and stem (pose.render_t)
+    cov = (0.5 - sdf / cell).clamp(0, 1) * valid.float()[..., None, None]
+    return torch.stack([cov, cov * c, cov * s], dim=2)
+
+
 def n_maps(cfg: "DynamicsConfig") -> int:
-    """Input maps per slot: where the action points, and with an agent track where the agent is."""
-    return ACTION_MAP_CH + (AGENT_MAP_CH if cfg.agent_motion else 0)
+    """Input maps per slot: where the action points, with an agent track where the agent is, and with a
+    block track where the block is."""
+    return ACTION_MAP_CH + (AGENT_MAP_CH if cfg.agent_motion else 0) + (BLOCK_MAP_CH if cfg.block_track else 0)
 
 
 class HiResHead(nn.Module):
@@ -307,6 +336,9 @@ class DynamicsNet(nn.Module):
 
     def __init__(self, cfg: DynamicsConfig):
         super().__init__()
+        if cfg.block_track and not cfg.agent_motion:
+            raise ValueError("DynamicsConfig.block_track needs the agent track (agent_motion): the block's pose "
+                             "rides in the same action rows")
         self.cfg = cfg
         # latent + maps of where the action points (see action_maps) and, with an agent track, of where
         # the agent is (its offset and blob maps) -> 8x8 tokens
@@ -337,11 +369,13 @@ class DynamicsNet(nn.Module):
         x = torch.cat([x.to(maps.dtype), maps], dim=2)
         return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])
 
-    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise, agent_in=None):
+    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise, agent_in=None, block_in=None):
         """ctx (B, K, C, h, w) preconditioned context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised
         action leading into each slot (last: into the target); act_valid (B, K+1) bool; pad (B, K) bool; tgt (B, V, C, h, w)
         preconditioned noisy target variants with tgt_c_noise (B, V); agent_in (B, K+1, 2) normalised agent
-        position in each slot (last: where the track says it lands; needed with cfg.agent_motion).
+        position in each slot (last: where the track says it lands; needed with cfg.agent_motion); block_in
+        (B, K+1, 3) the block's pose in canvas px and rad in each slot (last: the last context frame's,
+        held; needed with cfg.block_track).
         Returns F (B, V, C, h, w)."""
         B, K = ctx.shape[:2]
         V = tgt.shape[1]
@@ -357,6 +391,9 @@ class DynamicsNet(nn.Module):
         if self.cfg.agent_motion:  # + the agent's offset and blob maps; padded slots have none
             slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)
             maps = torch.cat([maps, action_maps(agent_in, slot_real, ctx.shape[-1])[:, :, 2:]], dim=2)
+        if self.cfg.block_track:  # + the T at its tracked pose
+            slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)
+            maps = torch.cat([maps, block_maps(block_in, slot_real, ctx.shape[-1], self.cfg.action_scale)], dim=2)
         h_c, h_t = self._tokens(ctx, maps[:, :K]), self._tokens(tgt, maps[:, K:].expand(B, V, *maps.shape[2:]))
         for blk in self.blocks:
             h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
@@ -424,15 +461,21 @@ class Stage2(nn.Module):
         noised at ctx_sigma (B,); actions (B, K, 2) raw actions (actions[:, i] taken at context frame i);
         n_valid (B,) how many of the K context slots are real (the earlier ones are padding). With an agent
         track (cfg.agent_motion) actions is (B, K, 4): columns 2:4 hold the agent's position in each
-        context frame (canvas px), and the target slot gets where agent_landing puts it next.
+        context frame (canvas px), and the target slot gets where agent_landing puts it next. With a block
+        track (cfg.block_track) actions is (B, K, 7): columns 4:7 hold the block's pose (x, y, angle) in each
+        context frame, and the target slot gets the last one.
         Returns x0_hat (B, V, C, h, w)."""
         c = self.cfg
         B, K = ctx.shape[:2]
-        agent_in = None
+        agent_in = block_in = None
         if c.agent_motion:
-            if actions.shape[-1] != 4:
-                raise ValueError(f"this dynamics model tracks the agent: actions must be (B, K, 4) [target x, y, "
-                                 f"agent x, y], got shape {tuple(actions.shape)}")
+            width = 7 if c.block_track else 4
+            if actions.shape[-1] != width:
+                raise ValueError(f"this dynamics model tracks the agent{' and the block' if c.block_track else ''}: "
+                                 f"actions must be (B, K, {width}) [target x, y, agent x, y"
+                                 f"{', block x, y, angle' if c.block_track else ''}], got shape {tuple(actions.shape)}")
+            if c.block_track:
+                block_in = torch.cat([actions[..., 4:7], actions[:, -1:, 4:7]], dim=1).float()  # (B, K+1, 3)
             pos = actions[..., 2:4].float()
             agent_in = torch.cat([pos, self.landing(actions, n_valid)[:, None]], dim=1) / c.action_scale * 2 - 1  # (B, K+1, 2)
         actions = actions[..., :2]
@@ -449,7 +492,7 @@ class Stage2(nn.Module):
         pad = idx[:, :K] < (K - n_valid)[:, None]
         ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
         F_x = self.net(ctx_in, ctx_noise, actions_in, act_valid, pad, schedule.c_in(s, c.sigma_data) * x_t,
-                       schedule.c_noise(sigma.float()), agent_in)
+                       schedule.c_noise(sigma.float()), agent_in, block_in)
         return c_skip * x_t.float() + c_out * F_x
 
     def forward(self, batch, step: int):

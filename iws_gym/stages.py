@@ -100,6 +100,9 @@ def find_release(path, name: str):
     return p / f"{name}.safetensors" if p.is_dir() else p
 
 
+BLOCK_POSE_JITTER = np.array([2.0, 2.0, 0.03], np.float32)  # canvas px, px, rad: the block track's training noise
+
+
 class LatentEpisodes:
     """Every frame of a dataset encoded once by the frozen stage-1 encoder, kept in RAM as fp16."""
 
@@ -111,6 +114,8 @@ class LatentEpisodes:
         self.erased = None  # the same frames without the agent, for drop_agent (agent_erased_latents)
         self.corrupted = None  # the same frames with a corrupted block, for corrupt_block (block_corrupted_latents)
         self.agent = None  # per-episode agent positions (T+1, 2); when set, windows carry them (see sample_rollout)
+        self.block = None  # per-episode block poses (T+1, 3); when set (with agent), windows carry them too
+        self.block_jitter = BLOCK_POSE_JITTER  # their noise (std of x, y, angle); None: exact (held-out windows)
         self.hard = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `focus` draws from (see below)
         self.jumps = np.zeros((0, 2), dtype=np.int64)  # (episode, t) transitions `jump_focus` draws from
         if cache is not None and cache.is_file():  # encoded before by the same stage-1 weights
@@ -139,6 +144,8 @@ class LatentEpisodes:
             self.corrupted = list(self.corrupted) + list(other.corrupted)
         if self.agent is not None:
             self.agent = list(self.agent) + list(other.agent)
+        if self.block is not None:
+            self.block = list(self.block) + list(other.block)
 
     def _dz_std(self) -> float:
         """Std of the one-step latent change z_{t+1} - z_t over (up to) the first 100 episodes."""
@@ -218,6 +225,11 @@ class LatentEpisodes:
             if self.agent is not None:  # the agent's position in each slot's frame, beside the action taken there
                 P = self.agent[e]
                 a = np.concatenate([a, np.concatenate([P[idx], P[t + 1 : t + R + 1]])], axis=1).astype(np.float32)
+                if self.block is not None:  # ... and the block's pose, jittered as a fit on a predicted frame is
+                    Q = np.concatenate([self.block[e][idx], self.block[e][t + 1 : t + R + 1]]).astype(np.float32)
+                    if self.block_jitter is not None:
+                        Q = Q + rng.normal(0.0, 1.0, Q.shape).astype(np.float32) * self.block_jitter
+                    a = np.concatenate([a, Q], axis=1)
             a[: K - n_valid] = 0.0
             act.append(a)
             tgt.append(Z[t + 1 : t + R + 2])
@@ -422,6 +434,13 @@ class Stage2Stage(StageBase):
             cfg = dataclasses.replace(cfg, agent_motion=coef)
         if cfg.agent_motion and self.data.agent is None:
             raise ValueError(f"--finetune {a.finetune} tracks the agent: pass --agent-track (it reads the recorded agent positions)")
+        base_block = cfg.block_track
+        if a.block_track:
+            if not cfg.agent_motion:
+                raise ValueError("--block-track needs --agent-track (the block's pose rides in the agent track's rows)")
+            cfg = dataclasses.replace(cfg, block_track=True)
+        if cfg.block_track and self.data.block is None:
+            raise ValueError(f"--finetune {a.finetune} tracks the block: pass --block-track (it reads the recorded block poses)")
         self.config = cfg
         self.model = Stage2(cfg)
         self.model.total_steps = a.steps
@@ -444,6 +463,8 @@ class Stage2Stage(StageBase):
             init_sd = {**init_sd, **new}
             if cfg.agent_motion and not base_track:  # new agent-map input channels, starting at zero
                 init_sd = add_agent_map_inputs(init_sd, cfg)
+            if cfg.block_track and not base_block:  # new block-map input channels, starting at zero
+                init_sd = add_block_map_inputs(init_sd, cfg)
             load_state_checked(self.model, init_sd, f2)
             self.model.curriculum_offset = self.model.total_steps = int(init_meta.get("step", 0))
         # held-out windows for evaluation (encoded with the same frozen encoder)
@@ -452,6 +473,8 @@ class Stage2Stage(StageBase):
         self.held = LatentEpisodes(held, self.stage1.encoder, device, amp=a.amp)
         if cfg.agent_motion:
             self.held.agent = [e["agent_pos"] for e in held_eps]
+        if cfg.block_track:  # exact poses, so the held-out windows are the same ones with or without a track
+            self.held.block, self.held.block_jitter = [e["block_pose"] for e in held_eps], None
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
         # ... and windows whose target transition moves the block (contact: where the error concentrates)
         self.held.hard = moving_transitions([e["block_pose"] for e in held_eps])
@@ -482,13 +505,15 @@ class Stage2Stage(StageBase):
         lat = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp,
                              cache=latent_cache(data, self.stage1_file, len(eps.frames)))
         poses = []
-        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0 or a.agent_track:  # from the recorded states
+        if a.focus > 0 or a.drop_agent > 0 or a.corrupt_block > 0 or a.agent_track or a.block_track:  # recorded states
             from .data import read_episode
 
             states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
             poses = [s["block_pose"] for s in states]
             if a.agent_track:  # the agent's position is an observation (gym-pusht's agent_pos), not hidden state
                 lat.agent = [s["agent_pos"] for s in states]
+            if a.block_track:  # the T's pose: in the env it is read from each frame (pose.estimate)
+                lat.block = poses
             if a.drop_agent > 0:
                 cache = latent_cache(data, self.stage1_file, len(eps.frames), "noagent")
                 lat.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache,
@@ -588,7 +613,7 @@ class Stage2Stage(StageBase):
                      corrupt_block=self.a.corrupt_block, corrupt_kinds=self.a.corrupt_kinds if self.a.corrupt_block else None,
                      one_step_loss=self.a.one_step_loss, extra_data=self.extra_meta or None,
                      agent_motion=list(self.config.agent_motion) or None, agent_motion_fit=self.agent_fit,
-                     jump_focus=self.a.jump_focus)
+                     jump_focus=self.a.jump_focus, block_track=self.config.block_track)
         if self.a.finetune:  # steps counts this run only; the curriculum offset is the steps before it
             extra.update(finetuned_from=str(self.a.finetune), step=result["step"] + self.model.curriculum_offset,
                          finetune_steps=result["step"])
@@ -611,6 +636,19 @@ def add_agent_map_inputs(sd: dict, cfg) -> dict:
     insert("net.inp.weight", cfg.latent_ch + ACTION_MAP_CH)
     if cfg.hires_ch:
         insert("net.hires.inp.weight", 2 * cfg.latent_ch + ACTION_MAP_CH)
+    return sd
+
+
+def add_block_map_inputs(sd: dict, cfg) -> dict:
+    """The same for the block-map channels of a block track (after the action and agent maps)."""
+    from .dynamics import ACTION_MAP_CH, AGENT_MAP_CH, BLOCK_MAP_CH
+
+    sd = dict(sd)
+    for key, at in (("net.inp.weight", cfg.latent_ch), ("net.hires.inp.weight", 2 * cfg.latent_ch)):
+        if key == "net.hires.inp.weight" and not cfg.hires_ch:
+            continue
+        w, at = sd[key], at + ACTION_MAP_CH + AGENT_MAP_CH
+        sd[key] = torch.cat([w[:, :at], w.new_zeros(w.shape[0], BLOCK_MAP_CH, *w.shape[2:]), w[:, at:]], dim=1)
     return sd
 
 

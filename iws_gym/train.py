@@ -81,6 +81,9 @@ class TrainArgs:
     agent_track: bool = False         # stage 2: condition on the agent track (its position in each context frame
                                       #   and where its fitted motion law puts it next; dynamics.agent_landing); with
                                       #   --finetune of a release without one, the new inputs start at zero
+    block_track: bool = False         # stage 2 (needs --agent-track): condition on the T block's recorded pose in
+                                      #   each context frame (dynamics.block_maps, jittered by 2 px / 0.03 rad as
+                                      #   a fit on a predicted frame is); the env reads it from each decoded frame
 
 
 def parse_args(argv, defaults: TrainArgs) -> TrainArgs:

@@ -123,11 +123,18 @@ class WorldModel:
         """Whether the dynamics follow the agent with its motion law (dynamics.agent_landing)."""
         return self.stage2 is not None and bool(self.stage2.cfg.agent_motion)
 
-    def start(self, z0: torch.Tensor, agent_pos=None) -> dict:
+    @property
+    def tracks_block(self) -> bool:
+        """Whether the dynamics are given the T block's pose (dynamics.block_maps), read from each frame."""
+        return self.stage2 is not None and bool(self.stage2.cfg.block_track)
+
+    def start(self, z0: torch.Tensor, agent_pos=None, block_pose=None) -> dict:
         """Rollout state for B envs from their first latents z0 (B, C, h, w): a context window of K
         slots holding z0 once (the earlier slots are padding) and no actions yet. A model that tracks the
         agent also needs its position in the first frames, agent_pos (B, 2) canvas px (see
-        pose.agent_position to read it from a frame); the track then follows the actions."""
+        pose.agent_position to read it from a frame); the track then follows the actions. A model that
+        tracks the block needs its pose in the first frames, block_pose (B, 3) canvas px and rad
+        (`frames_block_pose`); each step then reads it from the decoded frame (see `step`)."""
         if self.stage2 is None:
             raise ValueError(f"{self.path}: no stage2.safetensors, cannot roll out dynamics")
         K = self.stage2.cfg.context
@@ -135,14 +142,16 @@ class WorldModel:
         state = dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
                      n_valid=torch.ones(B, dtype=torch.long, device=self.device),
                      t=torch.zeros(B, dtype=torch.long, device=self.device))  # steps since start, per env
-        if self.tracks_agent:
-            if agent_pos is None:
-                raise ValueError(f"{self.path}: this dynamics model tracks the agent; start() needs agent_pos (B, 2)")
-            p = torch.as_tensor(np.asarray(agent_pos, np.float32), device=self.device).reshape(-1, 2)
-            if len(p) != B or not torch.isfinite(p).all():
-                raise ValueError(f"agent_pos must be {B} finite (x, y) canvas positions, got {p.tolist()}")
-            state["acts"] = torch.zeros(B, K, 4, device=self.device)
-            state["agent"] = p
+        tracks = [("agent", "agent_pos", 2, agent_pos, "(x, y) canvas positions")] if self.tracks_agent else []
+        tracks += [("block", "block_pose", 3, block_pose, "(x, y, angle) poses")] if self.tracks_block else []
+        for name, key, width, rows, what in tracks:  # each track starts from (B, width) rows
+            if rows is None:
+                raise ValueError(f"{self.path}: this dynamics model tracks the {name}; start() needs {key} (B, {width})")
+            q = torch.as_tensor(np.asarray(rows, np.float32), device=self.device).reshape(-1, width)
+            if len(q) != B or not torch.isfinite(q).all():
+                raise ValueError(f"{key} must be {B} finite {what}, got {q.tolist()}")
+            state[name] = q
+            state["acts"] = torch.zeros(B, K, 2 + 2 * self.tracks_agent + 3 * self.tracks_block, device=self.device)
         return state
 
     @torch.inference_mode()
@@ -156,6 +165,8 @@ class WorldModel:
         row = actions.float().to(self.device)
         if "agent" in state:
             row = torch.cat([row, state["agent"]], dim=1)
+        if "block" in state:
+            row = torch.cat([row, state["block"]], dim=1)
         state["acts"] = torch.cat([state["acts"][:, 1:], row[:, None]], dim=1)
         z = self.stage2.predict(state["ctx"], state["acts"], state["n_valid"], steps=steps or self.dynamics_steps,
                                 generator=generator, sampler=self.dynamics_sampler)
@@ -177,6 +188,8 @@ class WorldModel:
         (measured: docs/model.md, "Re-encoding interval"). Returns the frames (B, H, W, 3) uint8."""
         z = self.advance(state, actions, generator=generator, steps=steps)
         frames = self.decode(z, generator=generator)
+        if "block" in state:  # the block track: the pose fitted to each new frame, held where none is found
+            state["block"] = update_block_track(state["block"], frames)
         if self.reencode:
             due = state["t"] % check_reencode_every(self.reencode_every) == 0  # (B,) envs whose frame goes back this step
             if bool(due.any()):
@@ -197,6 +210,9 @@ class WorldModel:
         if self.tracks_agent:
             p = frames_agent_pos(frames) if agent_pos is None else np.asarray(agent_pos, np.float32)
             a = torch.cat([a, torch.as_tensor(p[: len(a)], dtype=torch.float32, device=self.device)], dim=1)
+        if self.tracks_block:  # read from the real frames, held where a frame does not show the block
+            q = update_block_track(torch.as_tensor(frames_block_pose(frames[:1])), frames[: len(a)], hold=True)
+            a = torch.cat([a, q.to(self.device)], dim=1)
         T = len(a)
         gen = torch.Generator().manual_seed(seed)
         out = []
@@ -219,7 +235,8 @@ class WorldModel:
         gen = torch.Generator().manual_seed(seed)
         if self.tracks_agent and agent_pos is None:
             agent_pos = frames_agent_pos(first_frame[None])
-        state = self.start(self.encode(first_frame[None]), agent_pos)
+        state = self.start(self.encode(first_frame[None]), agent_pos,
+                           frames_block_pose(first_frame[None]) if self.tracks_block else None)
         frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None], generator=gen, steps=steps)[0])
@@ -238,6 +255,38 @@ def frames_agent_pos(frames: np.ndarray) -> np.ndarray:
             raise ValueError(f"frame {i}: no agent found; pass its position as agent_pos")
         out.append(p)
     return np.asarray(out, np.float32)
+
+
+def frames_block_pose(frames: np.ndarray) -> np.ndarray:
+    """The T block's pose (x, y, angle; canvas px, rad) in each of (N, H, W, 3) real frames, read by
+    pose.estimate's fit; raises ValueError when a frame does not show it (a track must start from it)."""
+    from .pose import block_fraction, fit_block
+
+    out = []
+    for i, f in enumerate(frames):
+        q, _ = fit_block(*block_fraction(f))
+        if q is None:
+            raise ValueError(f"frame {i}: no T block found; pass its pose as block_pose")
+        out.append(q)
+    return np.asarray(out, np.float32)
+
+
+def update_block_track(track: torch.Tensor, frames: np.ndarray, hold: bool = False) -> torch.Tensor:
+    """The block track after new frames. track (B, 3) the last poses, frames (B, H, W, 3) uint8 ->
+    (B, 3): each frame's fitted pose, or its row of `track` where the frame shows no block (a faded block
+    is held where it was last seen). With hold=True the frames are one sequence (N, H, W, 3) starting
+    from track (1, 3), and the result is (N, 3), each row the last pose seen up to that frame."""
+    from .pose import block_fraction, fit_block
+
+    out, last = [], track.float().cpu().numpy()
+    for i, f in enumerate(frames):
+        q, _ = fit_block(*block_fraction(f))
+        prev = last[0] if hold else last[i]
+        row = prev if q is None else np.asarray(q, np.float32)
+        if hold:
+            last = row[None]
+        out.append(row)
+    return torch.as_tensor(np.stack(out), dtype=torch.float32).to(track.device)
 
 
 def load_predictor(checkpoint, decoder_steps: int | None = None, dynamics_steps: int | None = None,

@@ -150,7 +150,7 @@ def test_stage3_fine_tunes_the_decoder_on_predicted_latents(tiny_dataset, tiny_c
 
 def _counting_latents(lengths=(30, 40)):
     """LatentEpisodes whose frame t is filled with the value t (and action t = (t, -t)), for alignment checks."""
-    from iws_gym.stages import LatentEpisodes
+    from iws_gym.stages import BLOCK_POSE_JITTER, LatentEpisodes
 
     lat = object.__new__(LatentEpisodes)
     lat.latents = [torch.arange(n + 1, dtype=torch.float16)[:, None, None, None].expand(n + 1, 8, 16, 16).clone() for n in lengths]
@@ -158,6 +158,7 @@ def _counting_latents(lengths=(30, 40)):
     lat.erased = None
     lat.corrupted = None
     lat.agent = None
+    lat.block, lat.block_jitter = None, BLOCK_POSE_JITTER
     return lat
 
 
