@@ -388,11 +388,10 @@ class DynamicsNet(nn.Module):
             + self.slot_emb.weight[2] + self.pos_emb[K]
         cond_c, cond_t = F.silu(cond_c).to(dt), F.silu(cond_t).to(dt)
         maps = action_maps(actions_in, act_valid, ctx.shape[-1])                   # (B, K+1, M, h, w)
-        if self.cfg.agent_motion:  # + the agent's offset and blob maps; padded slots have none
-            slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)
+        slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)  # (B, K+1): padded slots get no track maps
+        if self.cfg.agent_motion:  # + the agent's offset and blob maps
             maps = torch.cat([maps, action_maps(agent_in, slot_real, ctx.shape[-1])[:, :, 2:]], dim=2)
         if self.cfg.block_track:  # + the T at its tracked pose
-            slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)
             maps = torch.cat([maps, block_maps(block_in, slot_real, ctx.shape[-1], self.cfg.action_scale)], dim=2)
         h_c, h_t = self._tokens(ctx, maps[:, :K]), self._tokens(tgt, maps[:, K:].expand(B, V, *maps.shape[2:]))
         for blk in self.blocks:

@@ -195,10 +195,7 @@ class WorldSimEnv(gym.Env):
         self._gen.manual_seed(int(self.np_random.integers(2**31 - 1)))
         frame, agent = start_frame(options, self.size, self._ground_truth_env(), self.np_random, self.task)
         self._frame, self._agent = frame, agent
-        from .world_model import frames_block_pose
-
-        self._state = self.wm.start(self.wm.encode(frame[None]), agent[None] if self.wm.tracks_agent else None,
-                                    frames_block_pose(frame[None]) if self.wm.tracks_block else None)
+        self._state = self.wm.start_frames(frame[None], agent[None] if self.wm.tracks_agent else None)
         score = self.scorer(frame[None])[0]
         info = {"is_success": False, **score.info}
         if self.render_mode == "human":

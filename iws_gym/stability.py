@@ -183,10 +183,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         actions = _actions(kind, task, steps, rng)
         first = start["frames"][0]
         gen = torch.Generator().manual_seed(seed)
-        from .world_model import frames_block_pose
-
-        state = wm.start(wm.encode(first[None]), start["agent_pos"][:1],
-                         frames_block_pose(first[None]) if wm.tracks_block else None)
+        state = wm.start_frames(first[None], start["agent_pos"][:1])
         first_fail, fail_counts, n_checks, n_bad, shown, shown_at = None, {}, 0, 0, [first], [0]
         n_seg = min(10, steps)  # invalid share per tenth of the rollout: does it break and stay broken?
         seg_bad, seg_n = [0] * n_seg, [0] * n_seg

@@ -620,36 +620,32 @@ class Stage2Stage(StageBase):
         save_release(out / "stage2.safetensors", ema.state_dict(), "stage2", self.config, extra)
 
 
+def zero_map_inputs(sd: dict, cfg, after: int, n: int) -> dict:
+    """A state dict with n zero-weight input channels inserted after the first `after` input maps of the
+    trunk's input and of the full-resolution head's input (when it has one). Zero weights keep the
+    release's function exactly, so new maps can be added to a trained release."""
+    sd = dict(sd)
+    for key, at in (("net.inp.weight", cfg.latent_ch + after), ("net.hires.inp.weight", 2 * cfg.latent_ch + after)):
+        if key in sd:
+            w = sd[key]
+            sd[key] = torch.cat([w[:, :at], w.new_zeros(w.shape[0], n, *w.shape[2:]), w[:, at:]], dim=1)
+    return sd
+
+
 def add_agent_map_inputs(sd: dict, cfg) -> dict:
-    """A state dict of a release without an agent track, with zero weights for the agent-map input
-    channels that `cfg` (with one) adds: at the end of the trunk's input maps and after the action maps
-    in the full-resolution head's input. Zero weights keep the release's function exactly."""
+    """A release without an agent track, with zero weights for the agent maps `cfg` adds (after the
+    action maps)."""
     from .dynamics import ACTION_MAP_CH, AGENT_MAP_CH
 
-    sd = dict(sd)
-
-    def insert(key, at):
-        w = sd[key]
-        z = w.new_zeros(w.shape[0], AGENT_MAP_CH, *w.shape[2:])
-        sd[key] = torch.cat([w[:, :at], z, w[:, at:]], dim=1)
-
-    insert("net.inp.weight", cfg.latent_ch + ACTION_MAP_CH)
-    if cfg.hires_ch:
-        insert("net.hires.inp.weight", 2 * cfg.latent_ch + ACTION_MAP_CH)
-    return sd
+    return zero_map_inputs(sd, cfg, ACTION_MAP_CH, AGENT_MAP_CH)
 
 
 def add_block_map_inputs(sd: dict, cfg) -> dict:
-    """The same for the block-map channels of a block track (after the action and agent maps)."""
+    """A release without a block track, with zero weights for the block maps `cfg` adds (after the action
+    and agent maps)."""
     from .dynamics import ACTION_MAP_CH, AGENT_MAP_CH, BLOCK_MAP_CH
 
-    sd = dict(sd)
-    for key, at in (("net.inp.weight", cfg.latent_ch), ("net.hires.inp.weight", 2 * cfg.latent_ch)):
-        if key == "net.hires.inp.weight" and not cfg.hires_ch:
-            continue
-        w, at = sd[key], at + ACTION_MAP_CH + AGENT_MAP_CH
-        sd[key] = torch.cat([w[:, :at], w.new_zeros(w.shape[0], BLOCK_MAP_CH, *w.shape[2:]), w[:, at:]], dim=1)
-    return sd
+    return zero_map_inputs(sd, cfg, ACTION_MAP_CH + AGENT_MAP_CH, BLOCK_MAP_CH)
 
 
 def load_stage(path, name, kind_cls, model_cls, device):

@@ -55,11 +55,7 @@ class WorldSimVectorEnv(VectorEnv):
         """Reset envs `idx` in place: new start frames, encoded in one batch, spliced into the context."""
         starts = [start_frame(o or {}, self.size, self._gt, self.np_random, self.task) for o in options_list]
         frames = np.stack([f for f, _ in starts])
-        z0 = self.wm.encode(frames)
-        from .world_model import frames_block_pose
-
-        fresh = self.wm.start(z0, np.stack([a for _, a in starts]) if self.wm.tracks_agent else None,
-                              frames_block_pose(frames) if self.wm.tracks_block else None)
+        fresh = self.wm.start_frames(frames, np.stack([a for _, a in starts]) if self.wm.tracks_agent else None)
         if self._state is None:
             self._state = fresh
         else:

@@ -151,8 +151,14 @@ class WorldModel:
             if len(q) != B or not torch.isfinite(q).all():
                 raise ValueError(f"{key} must be {B} finite {what}, got {q.tolist()}")
             state[name] = q
-            state["acts"] = torch.zeros(B, K, 2 + 2 * self.tracks_agent + 3 * self.tracks_block, device=self.device)
+        # each window row: the action, then each track's row for that frame
+        state["acts"] = torch.zeros(B, K, 2 + sum(width for _, _, width, _, _ in tracks), device=self.device)
         return state
+
+    def start_frames(self, frames: np.ndarray, agent_pos=None) -> dict:
+        """`start` from the first frames themselves (B, H, W, 3) uint8: encoded, and with a block track the
+        block's pose read from them (`frames_block_pose`)."""
+        return self.start(self.encode(frames), agent_pos, frames_block_pose(frames) if self.tracks_block else None)
 
     @torch.inference_mode()
     def advance(self, state: dict, actions: torch.Tensor, generator: torch.Generator | None = None,
@@ -235,8 +241,7 @@ class WorldModel:
         gen = torch.Generator().manual_seed(seed)
         if self.tracks_agent and agent_pos is None:
             agent_pos = frames_agent_pos(first_frame[None])
-        state = self.start(self.encode(first_frame[None]), agent_pos,
-                           frames_block_pose(first_frame[None]) if self.tracks_block else None)
+        state = self.start_frames(first_frame[None], agent_pos)
         frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None], generator=gen, steps=steps)[0])
@@ -257,14 +262,21 @@ def frames_agent_pos(frames: np.ndarray) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def frames_block_pose(frames: np.ndarray) -> np.ndarray:
-    """The T block's pose (x, y, angle; canvas px, rad) in each of (N, H, W, 3) real frames, read by
-    pose.estimate's fit; raises ValueError when a frame does not show it (a track must start from it)."""
+def _block_pose_or(frame: np.ndarray, fallback):
+    """The T block's pose (x, y, angle; canvas px, rad) fitted to one frame by the pose estimator, or
+    `fallback` where the frame does not show the block."""
     from .pose import block_fraction, fit_block
 
+    q, _ = fit_block(*block_fraction(frame))
+    return fallback if q is None else np.asarray(q, np.float32)
+
+
+def frames_block_pose(frames: np.ndarray) -> np.ndarray:
+    """The T block's pose in each of (N, H, W, 3) real frames; raises ValueError when a frame does not
+    show it (a track must start from it)."""
     out = []
     for i, f in enumerate(frames):
-        q, _ = fit_block(*block_fraction(f))
+        q = _block_pose_or(f, None)
         if q is None:
             raise ValueError(f"frame {i}: no T block found; pass its pose as block_pose")
         out.append(q)
@@ -276,16 +288,14 @@ def update_block_track(track: torch.Tensor, frames: np.ndarray, hold: bool = Fal
     (B, 3): each frame's fitted pose, or its row of `track` where the frame shows no block (a faded block
     is held where it was last seen). With hold=True the frames are one sequence (N, H, W, 3) starting
     from track (1, 3), and the result is (N, 3), each row the last pose seen up to that frame."""
-    from .pose import block_fraction, fit_block
-
-    out, last = [], track.float().cpu().numpy()
-    for i, f in enumerate(frames):
-        q, _ = fit_block(*block_fraction(f))
-        prev = last[0] if hold else last[i]
-        row = prev if q is None else np.asarray(q, np.float32)
-        if hold:
-            last = row[None]
-        out.append(row)
+    last = track.float().cpu().numpy()
+    if hold:
+        out, prev = [], last[0]
+        for f in frames:
+            prev = _block_pose_or(f, prev)
+            out.append(prev)
+    else:
+        out = [_block_pose_or(f, prev) for f, prev in zip(frames, last)]
     return torch.as_tensor(np.stack(out), dtype=torch.float32).to(track.device)
 
 
