@@ -36,8 +36,8 @@ def parse_events(path):
 
 
 def save_recording(out: Path, rec: dict, seed: int) -> Path:
-    from iws_gym.collect import git_commit
-    from iws_gym.data import episode_path, write_episode, write_json_atomic
+    from iws_gym.data.collect import git_commit
+    from iws_gym.data.episodes import episode_path, write_episode, write_json_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("ep_*.h5"))

@@ -8,18 +8,18 @@ from gymnasium.envs.registration import register, registry
 __version__ = "0.1.0"
 
 if "IWS-TPushing-v0" not in registry:
-    register(id="IWS-TPushing-v0", entry_point="iws_gym.env:WorldSimEnv",
-             vector_entry_point="iws_gym.vector_env:WorldSimVectorEnv", max_episode_steps=300,
+    register(id="IWS-TPushing-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
+             vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=300,
              kwargs={"task": "tpushing"})
 
 
 def __getattr__(name):  # lazy exports keep `import iws_gym` light
     if name == "WorldModel":
-        from .world_model import WorldModel
+        from iws_gym.models.world_model import WorldModel
 
         return WorldModel
     if name == "WorldSimEnv":
-        from .env import WorldSimEnv
+        from iws_gym.envs.env import WorldSimEnv
 
         return WorldSimEnv
     raise AttributeError(name)

@@ -8,44 +8,47 @@ from pathlib import Path
 
 
 def _task(name):
-    from .tasks import load_task
+    from iws_gym.envs.registry import load_task
 
     return load_task(name)
 
 
 def cmd_collect(a):
-    from .collect import collect
+    from iws_gym.data.collect import collect
 
     meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume, mix=a.mix)
     print(json.dumps(meta, indent=2))
 
 
 def cmd_data_stats(a):
-    from .datastats import dataset_stats
+    from iws_gym.data.stats import dataset_stats
 
     stats = dataset_stats(Path(a.data), plot=Path(a.plot) if a.plot else None, loader_batches=a.loader_batches)
     _emit(stats, a.json)
 
 
 def cmd_eval_pose(a):
-    from .evaluate import validate_pose_estimator
+    from iws_gym.evaluation.fidelity import validate_pose_estimator
 
     _emit(validate_pose_estimator(_task(a.task), a.episodes, a.steps), a.json)
 
 
 def cmd_eval_fidelity(a):
-    from .evaluate import fidelity
+    from iws_gym.evaluation.fidelity import fidelity
 
+    from iws_gym.models.world_model import RolloutSettings
+
+    given = dict(decoder_steps=a.decoder_steps, dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler,
+                 reencode=a.reencode, reencode_every=a.reencode_every, ctx_sigma=a.ctx_sigma)
+    settings = RolloutSettings(**{k: v for k, v in given.items() if v is not None})
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
-                      decoder_steps=a.decoder_steps, plot=Path(a.plot) if a.plot else None,
-                      dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode, grid=Path(a.grid) if a.grid else None,
-                      ctx_sigma=a.ctx_sigma, reencode_every=a.reencode_every,
-                      episode_offset=a.episode_offset)
+                      settings=settings, plot=Path(a.plot) if a.plot else None, grid=Path(a.grid) if a.grid else None,
+                      split=a.split)
     _emit(report, a.json, summary_only=True)
 
 
 def cmd_eval_compare(a):
-    from .evaluate import compare_fidelity
+    from iws_gym.evaluation.fidelity import compare_fidelity
 
     reports = []
     for path in (a.a, a.b):
@@ -61,21 +64,21 @@ def cmd_eval_compare(a):
 
 
 def cmd_eval_contact(a):
-    from .evaluate import contact_error
+    from iws_gym.evaluation.fidelity import contact_error
 
     _emit(contact_error(_task(a.task), a.checkpoint, a.data, a.train_episodes, a.heldout, a.steps, a.windows, a.seed,
                         dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler), a.json)
 
 
 def cmd_eval_policy(a):
-    from .policy_eval import evaluate_policy
+    from iws_gym.evaluation.policy_eval import evaluate_policy
 
     _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device,
                           video=a.video, video_episodes=a.video_episodes), a.json)
 
 
 def cmd_eval_stability(a):
-    from .stability import stability
+    from iws_gym.evaluation.stability import stability
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
                     seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode,
@@ -83,13 +86,13 @@ def cmd_eval_stability(a):
 
 
 def cmd_eval_scorer(a):
-    from .evaluate import scorer_validation
+    from iws_gym.evaluation.fidelity import scorer_validation
 
     _emit(scorer_validation(_task(a.task), a.checkpoint, episodes=a.episodes, steps=a.steps, behaviour=a.behaviour), a.json)
 
 
 def cmd_eval_correlate(a):
-    from .policy_eval import correlate, plot_correlation, reanalyse
+    from iws_gym.evaluation.policy_eval import correlate, plot_correlation, reanalyse
 
     if a.from_json:  # re-analyse a stored report: nothing is rerun
         report = reanalyse(a.from_json)
@@ -103,59 +106,53 @@ def cmd_eval_correlate(a):
 
 
 def cmd_eval_probe(a):
-    from .probe import probe
+    from iws_gym.evaluation.probe import probe
 
     _emit(probe(_task(a.task), a.checkpoint, steps=a.steps, episodes=a.episodes, grid=Path(a.grid) if a.grid else None,
                 device=a.device), a.json)
 
 
 def cmd_eval_recon(a):
-    from .evaluate import reconstruction
+    from iws_gym.evaluation.fidelity import reconstruction
 
     _emit(reconstruction(_task(a.task), a.checkpoint, frames=a.frames, steps_list=a.steps, sigma_mids=a.sigma_mid,
                          grid=Path(a.grid) if a.grid else None), a.json)
 
 
 def cmd_train(a):
-    from .train import main as train_main
+    from iws_gym.training.train import main as train_main
 
     train_main(a.stage, a.rest)
 
 
 def cmd_train_bc(a):
-    from .bc import train_bc
+    from iws_gym.policies.bc import train_bc
 
     _emit(train_bc(a.data, a.out, steps=a.steps, batch=a.batch, lr=a.lr, save_at=tuple(a.save_at),
                    max_episodes=a.max_episodes, seed=a.seed), a.json)
 
 
 def cmd_demo(a):
-    from .demo import demo
+    from iws_gym.evaluation.demo import demo
 
     _emit(demo(a.checkpoint, a.episodes, a.steps, a.seed, Path(a.video) if a.video else None, a.device), a.json)
 
 
 def cmd_bench(a):
-    from .bench import bench
+    from iws_gym.evaluation.bench import bench
 
     _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile,
                 a.precision, a.reencode_every), a.json)
 
 
-def cmd_average(a):
-    from .checkpoint import average_releases
-
-    _emit(average_releases([Path(f) for f in a.files], Path(a.out), a.weights), None)
-
-
 def cmd_release(a):
-    from .release import release
+    from iws_gym.training.release import release
 
     _emit(release(Path(a.run), a.stage, Path(a.dest), [Path(r) for r in a.report], a.command), None)
 
 
 def _emit(report: dict, path: str | None, summary_only: bool = False):
-    from .data import write_json_atomic
+    from iws_gym.data.episodes import write_json_atomic
 
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +168,8 @@ def _add_reencode_every(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .collect import HELDOUT_BEHAVIOURS
+    from iws_gym.data.collect import HELDOUT_BEHAVIOURS
+    from iws_gym.data.splits import SPLITS
 
     p = argparse.ArgumentParser(prog="iws", description="iws-gym: a learned Push-T simulator as a Gymnasium env")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -195,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--loader-batches", type=int, default=50)
     s.set_defaults(fn=cmd_data_stats)
 
-    t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics), stage3 (decoder fine-tune)")
-    t.add_argument("stage", choices=["stage1", "stage2", "stage3"])
+    t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics); resumes from OUT/last.pt")
+    t.add_argument("stage", choices=["stage1", "stage2"])
     t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
     t.set_defaults(fn=cmd_train)
 
@@ -229,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--behaviour", default="mix", choices=list(HELDOUT_BEHAVIOURS),
                     help="held-out play as in training, an unseen scripted policy, jittery pushes (iws collect --mix jittery), "
                          "or a uniform-random target every step (as `iws eval stability` drives the model)")
-    ef.add_argument("--episode-offset", type=int, default=0, metavar="N",
-                    help="held-out seeds from base + N (default 0: the reports' test episodes; 8000: a validation set)")
+    ef.add_argument("--split", default="test", choices=list(SPLITS),
+                    help="named held-out split (iws_gym/data/splits.py): test for reports, validation for choosing settings")
     ef.add_argument("--decoder-steps", type=int, default=None)
     ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
     ef.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"],
@@ -345,10 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     er.add_argument("--grid", default=None, help="PNG: originals, reconstructions per step count, error map")
     er.add_argument("--json", default=None)
     er.set_defaults(fn=cmd_eval_recon)
-    d = sub.add_parser("demo", help="a scripted pusher plays IWS-TPushing-v0; prints scores, writes a video")
+    d = sub.add_parser("demo", help="a scripted pusher plays IWS-TPushing-v0 and gym-pusht from the same starts; "
+                                     "prints both scores, writes a video (gym-pusht above, learned below)")
     d.add_argument("--checkpoint", default=None, help="default: the shipped weights")
-    d.add_argument("--episodes", type=int, default=3)
-    d.add_argument("--steps", type=int, default=100)
+    d.add_argument("--episodes", type=int, default=2)
+    d.add_argument("--steps", type=int, default=80)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--video", default="out/demo.mp4")
     d.add_argument("--device", default="auto")
@@ -369,16 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 
-    av = sub.add_parser("average", help="weight average of releases of one model (e.g. fine-tunes of one release)")
-    av.add_argument("files", nargs="+", help="two or more <stage>.safetensors files of the same kind and config")
-    av.add_argument("--out", required=True, help="the averaged .safetensors file to write")
-    av.add_argument("--weights", type=float, nargs="*", default=None, help="one per file, summing to 1 (default: uniform)")
-    av.set_defaults(fn=cmd_average)
-
     r = sub.add_parser("release", help="copy a trained stage into checkpoints/ with its provenance")
     r.add_argument("--run", required=True, help="run directory holding <stage>.safetensors and train_result.json, or a candidate "
                    "release (a directory with provenance.json) to promote with its provenance")
-    r.add_argument("--stage", required=True, choices=["stage1", "stage2", "stage3"])
+    r.add_argument("--stage", required=True, choices=["stage1", "stage2"])
     r.add_argument("--dest", default="checkpoints/tpushing")
     r.add_argument("--report", nargs="*", default=[], help="JSON reports measured on these weights")
     r.add_argument("--command", default=None, help="the exact training command, if train_result.json lacks it")

@@ -3,10 +3,10 @@ import h5py
 import numpy as np
 import pytest
 
-from iws_gym.collect import collect, collect_episode, heldout_episodes
-from iws_gym.data import (DatasetError, InMemoryEpisodes, episode_path, list_episodes, load_meta, read_episode,
+from iws_gym.data.collect import collect, collect_episode, heldout_episodes
+from iws_gym.data.episodes import (DatasetError, InMemoryEpisodes, episode_path, list_episodes, load_meta, read_episode,
                           write_episode)
-from iws_gym.tasks import load_task
+from iws_gym.envs.registry import load_task
 
 from .conftest import run_iws
 
@@ -153,7 +153,7 @@ def test_reports_are_strict_json(tmp_path):
 
     import numpy as np
 
-    from iws_gym.data import write_json_atomic
+    from iws_gym.data.episodes import write_json_atomic
 
     p = tmp_path / "r.json"
     write_json_atomic(p, {"r": float("nan"), "a": np.array([1.0, np.inf]), "n": np.float32(0.5), "k": [1, "x"]})
@@ -164,8 +164,8 @@ def test_reports_are_strict_json(tmp_path):
 
 
 def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
-    from iws_gym.behaviours import JitteryPush
-    from iws_gym.collect import SEGMENT_NAMES
+    from iws_gym.tasks.pusht.behaviours import JitteryPush
+    from iws_gym.data.collect import SEGMENT_NAMES
 
     out = tmp_path / "jit"
     meta = collect(TASK, 2, out, seed=11, steps=30, progress=False, mix="jittery")
@@ -189,7 +189,7 @@ def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
 
 
 def test_random_mix_records_the_stability_drive_and_resumes_only_as_random(tmp_path):
-    from iws_gym.collect import SEGMENT_NAMES, mix_of
+    from iws_gym.data.collect import SEGMENT_NAMES, mix_of
 
     out = tmp_path / "rnd"
     meta = collect(TASK, 2, out, seed=21, steps=12, progress=False, mix="random")
@@ -199,7 +199,7 @@ def test_random_mix_records_the_stability_drive_and_resumes_only_as_random(tmp_p
     a = ep["actions"]
     assert (np.linalg.norm(np.diff(a, axis=0), axis=1) > 1).all()  # a new target every step, never held
     # deterministic: episode_plan("random", seed) (also the held-out random drive's plan) regenerates it
-    from iws_gym.collect import episode_plan
+    from iws_gym.data.collect import episode_plan
 
     again = collect_episode(TASK, 22, 12, plan=episode_plan("random", 22, 12))
     np.testing.assert_array_equal(again["actions"], a)

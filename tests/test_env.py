@@ -6,7 +6,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import iws_gym  # noqa: F401  (registers IWS-TPushing-v0)
-from iws_gym.scorer import ProbabilityScorer, TPushCoverageScorer
+from iws_gym.tasks.pusht.scorer import ProbabilityScorer, TPushCoverageScorer
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_bad_actions_raise_and_env_stays_usable(env, bad, msg):
 
 def test_out_of_range_actions_are_clipped(env):
     env.reset(seed=0)
-    from iws_gym.env import check_action
+    from iws_gym.envs.env import check_action
 
     np.testing.assert_array_equal(check_action([-50, 900]), np.array([0, 512], np.float32))
     env.step(np.array([-50.0, 900.0]))
@@ -102,8 +102,8 @@ def test_custom_scorer_protocol(tiny_checkpoint):
 
 
 def test_pixel_coverage_scorer_on_ground_truth():
-    from iws_gym.collect import heldout_episodes
-    from iws_gym.tasks import load_task
+    from iws_gym.data.collect import heldout_episodes
+    from iws_gym.envs.registry import load_task
 
     s = TPushCoverageScorer()
     errs = []
@@ -122,11 +122,14 @@ def test_demo_command(tiny_checkpoint, tmp_path):
             "--device", "cpu", "--json", out)
     r = json.loads(out.read_text())
     assert len(r["episodes"]) == 2 and r["env_steps"] <= 6 and (tmp_path / "d.mp4").stat().st_size > 0
+    # the same pusher from the same starts in gym-pusht: what a faithful world would score
+    assert all(0 <= e["gym_pusht_max_coverage"] <= 1 for e in r["episodes"])
+    assert r["gap"] == round(r["mean_max_coverage"] - r["gym_pusht_mean_max_coverage"], 4)
 
 
 def test_frame_pusher_runs_in_the_ground_truth_unchanged():
-    from iws_gym.groundtruth import make_env
-    from iws_gym.policies import FramePusher
+    from iws_gym.tasks.pusht.groundtruth import make_env
+    from iws_gym.policies.scripted import FramePusher
 
     env, pol = make_env(128), FramePusher()
     obs, info = env.reset(seed=3)
@@ -186,16 +189,17 @@ def test_reencode_is_an_env_option(tiny_checkpoint):
     import gymnasium as gym
 
     env = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", reencode=False)
-    assert env.unwrapped.wm.reencode is False
+    assert env.unwrapped.wm.settings.reencode is False
     env.reset(seed=0)
     obs, *_ = env.step(np.array([256.0, 256.0], np.float32))
     assert obs["pixels"].shape == (128, 128, 3)
-    assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode is True
-    from iws_gym.world_model import REENCODE_EVERY
+    assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.settings.reencode is True
+    from iws_gym.models.world_model import RolloutSettings
 
-    assert gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.reencode_every == REENCODE_EVERY
+    default = gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu").unwrapped.wm.settings
+    assert default == RolloutSettings() and default.reencode_every == 1
     vec = gym.make_vec("IWS-TPushing-v0", num_envs=2, checkpoint=tiny_checkpoint, device="cpu", reencode_every=3)
-    assert vec.wm.reencode_every == 3
+    assert vec.wm.settings.reencode_every == 3
     vec.reset(seed=0)
     vec.step(np.full((2, 2), 256.0, np.float32))
     for bad in (0, 1.5, True):

@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from iws_gym.collect import heldout_episodes
-from iws_gym.evaluate import frame_metrics
-from iws_gym.groundtruth import render_states
-from iws_gym.tasks import load_task
+from iws_gym.data.collect import heldout_episodes
+from iws_gym.evaluation.fidelity import frame_metrics
+from iws_gym.tasks.pusht.groundtruth import render_states
+from iws_gym.envs.registry import load_task
 
 from .conftest import run_iws
 
@@ -18,8 +18,8 @@ def test_rerender_reproduces_ground_truth():
 
 
 def test_render_without_agent_changes_only_the_agent():
-    from iws_gym.groundtruth import render_without_agent
-    from iws_gym.pose import agent_position
+    from iws_gym.tasks.pusht.groundtruth import render_without_agent
+    from iws_gym.tasks.pusht.pose import agent_position
 
     ep = next(heldout_episodes(load_task("tpushing"), 1, 6))
     frames = render_without_agent(ep["block_pose"], 128)
@@ -31,8 +31,8 @@ def test_render_without_agent_changes_only_the_agent():
 
 
 def test_corrupt_block_fades_or_ghosts_the_block_and_keeps_the_agent():
-    from iws_gym.groundtruth import corrupt_block
-    from iws_gym.pose import agent_position, block_fraction
+    from iws_gym.tasks.pusht.groundtruth import corrupt_block
+    from iws_gym.tasks.pusht.pose import agent_position, block_fraction
 
     ep = next(heldout_episodes(load_task("tpushing"), 1, 12))
     fr, ap, bp = ep["frames"], ep["agent_pos"], ep["block_pose"]
@@ -51,37 +51,6 @@ def test_corrupt_block_fades_or_ghosts_the_block_and_keeps_the_agent():
     assert np.array_equal(out, again)  # seeded: the training cache is reproducible
     with pytest.raises(ValueError, match="block poses"):
         corrupt_block(fr, ap, bp[:-1], np.random.default_rng(0))
-
-
-def test_render_bent_splits_the_t_and_bend_keeps_the_agent():
-    from iws_gym.groundtruth import (OFF_CANVAS_BLOCK, T_JOINT, bend_poses, corrupt_block, render_bent, render_states,
-                                     rot)
-    from iws_gym.pose import agent_position, block_fraction
-
-    ap = np.array([[100.0, 100.0], [400.0, 120.0]])
-    bp = np.array([[256.0, 300.0, 0.5], [200.0, 260.0, -1.2]])
-    real = render_states(ap, bp)
-    one = np.ones(2)
-    assert np.array_equal(render_bent(ap, bp, bp, one, one), real)  # one pose for both parts: the rigid T, exactly
-    assert np.array_equal(render_bent(ap, bp, bp, 0 * one, 0 * one), render_states(ap, np.array([OFF_CANVAS_BLOCK] * 2)))
-    stem = bp + [0.0, 0.0, 0.6]  # the stem turned about the body origin: the bar alone stays where it was
-    bent = render_bent(ap, bp, stem, one, one)
-    bar_only = render_bent(ap, bp, bp, one, 0 * one)
-    assert not np.array_equal(bent, real)
-    assert (block_fraction(bent[0])[0] > 0.8).sum() > 0.8 * (block_fraction(real[0])[0] > 0.8).sum()  # solid, not faded
-    assert np.abs(bent.astype(int) - bar_only).max() > 0 and (bar_only != real).any()
-    # bend_poses: with no stem shift the stem still meets the bar at the joint
-    bar, st = bend_poses(bp, np.random.default_rng(0), stem_shift_px=0.0)
-    for b, s in zip(bar, st):
-        np.testing.assert_allclose(b[:2] + rot(b[2]) @ T_JOINT, s[:2] + rot(s[2]) @ T_JOINT, atol=1e-9)
-    # corrupt_block with bend only: every frame differs, the agent stays put; unknown kinds are refused
-    ep = next(heldout_episodes(load_task("tpushing"), 1, 8))
-    out = corrupt_block(ep["frames"], ep["agent_pos"], ep["block_pose"], np.random.default_rng(0), kinds=("bend",))
-    for f, g in zip(ep["frames"], out):
-        assert not np.array_equal(f, g)
-        np.testing.assert_allclose(agent_position(g), agent_position(f), atol=1.0)
-    with pytest.raises(ValueError, match="kinds"):
-        corrupt_block(ep["frames"], ep["agent_pos"], ep["block_pose"], np.random.default_rng(0), kinds=("melt",))
 
 
 def test_fidelity_report_with_baselines_and_model(tiny_stage1, tmp_path):
@@ -116,8 +85,8 @@ def test_fidelity_unseen_behaviour_baselines_only(tmp_path):
 
 
 def test_random_behaviour_sends_a_new_uniform_target_every_step():
-    from iws_gym.collect import heldout_episodes
-    from iws_gym.tasks import load_task
+    from iws_gym.data.collect import heldout_episodes
+    from iws_gym.envs.registry import load_task
 
     task = load_task("tpushing")
     ep, again = (next(heldout_episodes(task, 1, 30, behaviour="random")) for _ in range(2))
@@ -127,8 +96,8 @@ def test_random_behaviour_sends_a_new_uniform_target_every_step():
     assert a[:, 0].std() > 100 and a[:, 1].std() > 100  # spread over the whole box
     np.testing.assert_array_equal(a, again["actions"])  # held-out seeds: the same episode every time
     np.testing.assert_array_equal(ep["frames"], again["frames"])
-    from iws_gym.behaviours import SEGMENT_MIX
-    from iws_gym.collect import SEGMENT_NAMES
+    from iws_gym.tasks.pusht.behaviours import SEGMENT_MIX
+    from iws_gym.data.collect import SEGMENT_NAMES
 
     # its own segment name (collected only on request, `iws collect --mix random`), never in the play mix
     assert ep["plan"] == [("random", 30)] and (ep["segments"] == SEGMENT_NAMES.index("random")).all()
@@ -189,7 +158,7 @@ def test_contact_error_command(tiny_checkpoint, tiny_dataset, tmp_path):
 
 
 def test_fidelity_summary_counts_where_the_object_was_found():
-    from iws_gym.evaluate import summarise
+    from iws_gym.evaluation.fidelity import summarise
 
     T, nan = 64, np.nan
     arr = {k: np.ones((4, T + 1)) for k in ("mse", "psnr", "ssim", "agent_px", "block_rad", "coverage")}
@@ -213,7 +182,7 @@ def test_fidelity_summary_counts_where_the_object_was_found():
 
 
 def test_fidelity_summary_has_per_episode_values_and_a_bootstrap_interval():
-    from iws_gym.evaluate import bootstrap_ci, summarise
+    from iws_gym.evaluation.fidelity import bootstrap_ci, summarise
 
     T = 8
     arr = {k: np.ones((4, T + 1)) for k in ("mse", "psnr", "ssim", "agent_px", "block_px", "block_rad", "coverage")}
@@ -237,7 +206,7 @@ def _fake_report(psnr, seeds=(1000000, 1000003)):
 
 
 def test_compare_pairs_episodes():
-    from iws_gym.evaluate import compare_fidelity
+    from iws_gym.evaluation.fidelity import compare_fidelity
 
     a = _fake_report([20.0, 30.0, 25.0, 35.0])  # a wide spread between episodes ...
     b = _fake_report([20.5, 30.5, 25.5, 35.0])  # ... and b a little ahead on three of them
@@ -260,7 +229,7 @@ def test_compare_pairs_episodes():
 def test_compare_command(tmp_path):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
     run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--json", a)
-    run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--episode-offset", 8000, "--json", b)
+    run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--split", "validation", "--json", b)
     run_iws("eval", "compare", a, a, "--predictor", "copy_first_frame", "--json", out)
     r = json.loads(out.read_text())
     m = r["metrics"]["psnr"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import iws_gym  # noqa: F401
-from iws_gym import hardware
+from iws_gym.models import hardware
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import sys
 
 import numpy as np
 
-from iws_gym.data import read_episode
+from iws_gym.data.episodes import read_episode
 
 from .conftest import ROOT
 

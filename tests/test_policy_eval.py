@@ -37,7 +37,7 @@ def test_eval_policy_both_worlds(tiny_checkpoint, tmp_path):
 
 
 def test_episode_video_frames_tiles_ground_truth_above_learned():
-    from iws_gym.policy_eval import episode_video_frames
+    from iws_gym.evaluation.policy_eval import episode_video_frames
 
     learned = [np.full((2, 4, 4, 3), t, np.uint8) for t in range(3)]  # 3 steps of 2 episodes
     gt = [np.full((2, 4, 4, 3), 100 + e, np.uint8) for e in range(2)]  # episodes that ended after 1 step
@@ -58,9 +58,9 @@ def test_eval_policy_action_chunks_and_bad_spec(tiny_checkpoint, tmp_path):
 
 
 def test_start_states_are_identical_in_both_worlds():
-    from iws_gym.groundtruth import make_env, render_state
-    from iws_gym.policy_eval import start_states
-    from iws_gym.tasks import load_task
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_state
+    from iws_gym.evaluation.policy_eval import start_states
+    from iws_gym.envs.registry import load_task
 
     st = start_states(load_task("tpushing"), 2, 0)
     env = make_env()
@@ -70,9 +70,9 @@ def test_start_states_are_identical_in_both_worlds():
 
 
 def test_ground_truth_frames_read_by_the_pixel_scorer_track_true_coverage():
-    from iws_gym.policies import FramePusher
-    from iws_gym.policy_eval import run_ground_truth, start_states
-    from iws_gym.tasks import load_task
+    from iws_gym.policies.scripted import FramePusher
+    from iws_gym.evaluation.policy_eval import run_ground_truth, start_states
+    from iws_gym.envs.registry import load_task
 
     task = load_task("tpushing")
     st = start_states(task, 3, 0)
@@ -84,7 +84,7 @@ def test_ground_truth_frames_read_by_the_pixel_scorer_track_true_coverage():
 
 
 def test_rank_statistics():
-    from iws_gym.policy_eval import pearson, spearman
+    from iws_gym.evaluation.policy_eval import pearson, spearman
 
     x = np.array([0.1, 0.2, 0.5, 0.9])
     assert abs(pearson(x, 2 * x + 1) - 1) < 1e-12 and abs(spearman(x, x ** 3) - 1) < 1e-12
@@ -93,7 +93,7 @@ def test_rank_statistics():
 
 
 def test_paired_gap_uses_the_per_start_differences():
-    from iws_gym.policy_eval import paired_gap
+    from iws_gym.evaluation.policy_eval import paired_gap
 
     gt = np.array([0.0, 0.2, 0.5, 0.9, 0.3, 0.1])
     # a constant offset is significant however much the starts differ from each other
@@ -109,7 +109,7 @@ def test_paired_gap_uses_the_per_start_differences():
 
 
 def test_suite_bootstrap_resamples_starts_for_all_policies_at_once():
-    from iws_gym.policy_eval import suite_bootstrap
+    from iws_gym.evaluation.policy_eval import suite_bootstrap
 
     rng = np.random.default_rng(0)
     gt = rng.random((6, 12)) * np.linspace(0.1, 1.0, 6)[:, None]  # six policies of graded quality
@@ -126,7 +126,7 @@ def test_suite_bootstrap_resamples_starts_for_all_policies_at_once():
 
 
 def test_split_half_measures_the_ground_truths_own_agreement():
-    from iws_gym.policy_eval import split_half
+    from iws_gym.evaluation.policy_eval import split_half
 
     rng = np.random.default_rng(0)
     gt = np.linspace(0.05, 0.5, 6)[:, None] + rng.normal(0, 0.05, (6, 16))  # graded policies, noisy episodes
@@ -143,7 +143,7 @@ def test_split_half_measures_the_ground_truths_own_agreement():
 
 
 def test_reanalyse_recomputes_a_stored_report_and_names_what_is_missing(tmp_path):
-    from iws_gym.policy_eval import paired_gap, reanalyse, suite_figures
+    from iws_gym.evaluation.policy_eval import paired_gap, reanalyse, suite_figures
 
     rng = np.random.default_rng(1)
     per = {}
@@ -173,10 +173,10 @@ def test_reanalyse_recomputes_a_stored_report_and_names_what_is_missing(tmp_path
 
 
 def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
-    from iws_gym.policies import suite
-    from iws_gym.policy_eval import run_learned, start_states
-    from iws_gym.scorer import TPushCoverageScorer
-    from iws_gym.tasks import load_task
+    from iws_gym.policies.scripted import suite
+    from iws_gym.evaluation.policy_eval import run_learned, start_states
+    from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
+    from iws_gym.envs.registry import load_task
 
     task = load_task("tpushing")
     frames: list = []
@@ -187,8 +187,8 @@ def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
 
 
 def test_suite_policies_act_in_the_ground_truth():
-    from iws_gym.groundtruth import make_env
-    from iws_gym.policies import suite
+    from iws_gym.tasks.pusht.groundtruth import make_env
+    from iws_gym.policies.scripted import suite
 
     s = suite()
     assert len(s) >= 8
@@ -200,9 +200,9 @@ def test_suite_policies_act_in_the_ground_truth():
 
 
 def test_shipped_bc_policies_load_by_name():
-    from iws_gym.bc import BCPolicy
-    from iws_gym.policy_eval import load_policy_factory
-    from iws_gym.policies import suite
+    from iws_gym.policies.bc import BCPolicy
+    from iws_gym.evaluation.policy_eval import load_policy_factory
+    from iws_gym.policies.scripted import suite
 
     factory = load_policy_factory("iws_gym.policies:bc_step4000")
     assert factory is suite()["bc_step4000"]  # the suite's member, not a copy
@@ -243,13 +243,13 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
 
 
 def test_probe_edits_and_command(tiny_checkpoint, tmp_path):
-    from iws_gym.collect import heldout_episodes
-    from iws_gym.probe import EDITS, colour_share, edit_frame
-    from iws_gym.tasks import load_task
+    from iws_gym.data.collect import heldout_episodes
+    from iws_gym.evaluation.probe import EDITS, colour_share, edit_frame
+    from iws_gym.envs.registry import load_task
 
-    from iws_gym.pose import agent_position, estimate
+    from iws_gym.tasks.pusht.pose import agent_position, estimate
 
-    ep = next(heldout_episodes(load_task("tpushing"), 1, 1, offset=42))
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 1, first=42))
     frame = ep["frames"][0]
     for kind in EDITS:
         if kind == "agent_removed":

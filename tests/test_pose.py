@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from iws_gym.collect import heldout_episodes
-from iws_gym.groundtruth import render_state, wrap_angle
-from iws_gym.pose import estimate, pose_errors
-from iws_gym.tasks import load_task
+from iws_gym.data.collect import heldout_episodes
+from iws_gym.tasks.pusht.groundtruth import render_state, wrap_angle
+from iws_gym.tasks.pusht.pose import estimate, pose_errors
+from iws_gym.envs.registry import load_task
 
 
 def test_pose_estimator_on_ground_truth_frames():
@@ -35,3 +35,23 @@ def test_no_block_visible():
 def test_rejects_bad_frame():
     with pytest.raises(ValueError, match="uint8"):
         estimate(np.zeros((128, 128, 3), np.float32))
+
+
+def test_whole_t_check_passes_real_frames_and_fails_faded_doubled_or_missing_ts():
+    """The object-permanence check (pose.is_whole_t): calibrated on real frames, every real frame passes;
+    a T faded to half contrast, doubled by a copy at another pose, or gone does not."""
+    from iws_gym.data.collect import heldout_episodes
+    from iws_gym.envs.registry import load_task
+    from iws_gym.tasks.pusht.groundtruth import OFF_CANVAS_BLOCK, render_states
+    from iws_gym.tasks.pusht.pose import calibrate_whole_t, estimate, is_whole_t
+
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 30, "stability_check"))
+    frames, ap, bp = ep["frames"], ep["agent_pos"], ep["block_pose"]
+    thr = calibrate_whole_t(frames)
+    assert all(is_whole_t(estimate(f), 128, thr) for f in frames)
+    gone = render_states(ap[:3], np.array([OFF_CANVAS_BLOCK] * 3))
+    faded = np.rint(0.5 * frames[:3] + 0.5 * gone).astype(np.uint8)
+    other = render_states(ap[:3], bp[:3] + [40.0, 0.0, 0.6])
+    doubled = np.minimum(frames[:3], other)  # both Ts drawn (the block is darker than the table)
+    for bad in (gone, faded, doubled):
+        assert not any(is_whole_t(estimate(f), 128, thr) for f in bad)

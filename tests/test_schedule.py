@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from iws_gym import schedule
+from iws_gym.models import schedule
 
 
 def test_boundary_condition_at_sigma_min():
@@ -48,7 +48,7 @@ def test_sampling_sigmas_rejects_zero_steps():
 
 def test_euler_sample_follows_the_probability_flow_of_a_gaussian():
     """With the exact denoiser of data ~ N(mu, s^2), the ODE maps noise onto that distribution."""
-    from iws_gym.sampler import euler_sample
+    from iws_gym.models.sampler import euler_sample
 
     mu, s = 0.3, 0.5
     exact = lambda x, sigma: mu + s**2 / (s**2 + sigma[:, None] ** 2) * (x - mu)  # noqa: E731
@@ -60,7 +60,7 @@ def test_euler_sample_follows_the_probability_flow_of_a_gaussian():
 
 
 def test_predict_rejects_an_unknown_sampler():
-    from iws_gym.dynamics import DynamicsConfig, Stage2
+    from iws_gym.models.dynamics import DynamicsConfig, Stage2
 
     m = Stage2(DynamicsConfig(ch=16, blocks=1, heads=2, emb_dim=16, context=2))
     with pytest.raises(ValueError, match="sampler"):

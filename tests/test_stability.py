@@ -4,14 +4,14 @@ import json
 import numpy as np
 
 from .conftest import run_iws
-from iws_gym.collect import heldout_episodes
-from iws_gym.pose import render_t
-from iws_gym.stability import calibrate, failures, false_alarms, frame_stats, inside_share, reference_frames
-from iws_gym.tasks import load_task
+from iws_gym.data.collect import heldout_episodes
+from iws_gym.tasks.pusht.pose import render_t
+from iws_gym.evaluation.stability import calibrate, failures, false_alarms, frame_stats, inside_share, reference_frames
+from iws_gym.envs.registry import load_task
 
 
 def _real_frames():
-    ep = next(heldout_episodes(load_task("tpushing"), 1, 30, offset=777))
+    ep = next(heldout_episodes(load_task("tpushing"), 1, 30, first=777))
     return ep["frames"]
 
 
@@ -53,11 +53,11 @@ def test_envelope_from_whole_episodes_accepts_real_pushes():
     (it did: 24% of held-out scripted frames, by mean colour); one from whole episodes of both drives
     accepts a disjoint set of them."""
     task = load_task("tpushing")
-    env = calibrate(reference_frames(task, 3, 120, offset=6000, every=6))
-    check = reference_frames(task, 3, 120, offset=7000, every=6)
+    env = calibrate(reference_frames(task, 3, 120, "stability_calibration", every=6))
+    check = reference_frames(task, 3, 120, "stability_check", every=6)
     assert check.shape == (120, 128, 128, 3)
     wide = false_alarms(check, env)["invalid_fraction"]
-    starts = np.concatenate([ep["frames"][::5] for ep in heldout_episodes(task, 3, 50, offset=6000)])
+    starts = np.concatenate([ep["frames"][::5] for ep in heldout_episodes(task, 3, 50, "stability_calibration")])
     narrow = false_alarms(check, calibrate(starts))["invalid_fraction"]
     assert wide <= 0.05 and narrow >= 0.05 and narrow > wide
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from iws_gym.checkpoint import load_release, save_release
-from iws_gym.decoder import ConsistencyDecoder, DecoderConfig, Stage1Config, decode
-from iws_gym.world_model import WorldModel
+from iws_gym.models.checkpoint import load_release, save_release
+from iws_gym.models.decoder import ConsistencyDecoder, DecoderConfig, Stage1Config, decode
+from iws_gym.models.world_model import WorldModel
 
 from .conftest import ROOT, run_iws
 
@@ -17,7 +17,7 @@ from .conftest import ROOT, run_iws
 def test_training_writes_release_with_config(tiny_stage1):
     result = json.loads((tiny_stage1 / "train_result.json").read_text())
     assert result["step"] == 12 and "psnr_1step" in result["eval"]
-    from iws_gym.hardware import default_dtype, dtype_name
+    from iws_gym.models.hardware import default_dtype, dtype_name
     assert result["precision"] == dtype_name(default_dtype("cpu"))  # what the loop trained in, by the hardware rule
     cfg, sd, meta = load_release(tiny_stage1 / "stage1.safetensors", "stage1", Stage1Config)
     assert cfg.decoder.ch == 16 and meta["data_seed"] == 7 and meta["step"] == 12 and "commit" in meta
@@ -26,7 +26,7 @@ def test_training_writes_release_with_config(tiny_stage1):
 
 
 def test_world_model_roundtrip_and_steps(tiny_stage1, tiny_dataset):
-    from iws_gym.data import episode_path, read_episode
+    from iws_gym.data.episodes import episode_path, read_episode
 
     wm = WorldModel.from_pretrained(tiny_stage1, device="cpu")
     frames = read_episode(episode_path(tiny_dataset, 0))["frames"][:3]
@@ -92,7 +92,7 @@ def test_resume_after_interruption(tiny_dataset, tmp_path):
 
 def test_torchrun_ddp_two_cpu_processes(tiny_dataset, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "iws_gym.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "iws_gym.training.train",
            "stage1", "--data", str(tiny_dataset), "--out", str(out), "--steps", 4, "--batch", 2, "--preset", "tiny",
            "--crop", 32, "--eval-every", 100, "--ckpt-every", 100, "--warmup", 1]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=ROOT, timeout=300,

@@ -4,7 +4,7 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 import iws_gym  # noqa: F401
-from iws_gym.scorer import ProbabilityScorer
+from iws_gym.tasks.pusht.scorer import ProbabilityScorer
 
 
 def make(ck, n=3, **kw):
@@ -12,7 +12,7 @@ def make(ck, n=3, **kw):
 
 
 def test_make_vec_is_native_and_batched(tiny_checkpoint):
-    from iws_gym.vector_env import WorldSimVectorEnv
+    from iws_gym.envs.vector_env import WorldSimVectorEnv
 
     envs = make(tiny_checkpoint)
     assert isinstance(envs.unwrapped, WorldSimVectorEnv) and envs.num_envs == 3

@@ -1,0 +1,179 @@
+"""`iws collect`: record scripted play in the ground-truth simulator (gym-pusht) as episode files.
+
+Episode i of a collection with seed S uses seed S + i for both gym-pusht's reset and the behaviour
+RNG, so any episode can be regenerated alone and collections are deterministic. Held-out episodes use
+seeds >= the task's `heldout_seed_base` and are generated in memory when evaluating (`heldout_episodes`).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from iws_gym.tasks.pusht.behaviours import SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state, sample_episode_plan
+from iws_gym.data.splits import split_offset
+from iws_gym.data.episodes import episode_path, write_episode, write_json_atomic
+from iws_gym.tasks.pusht.groundtruth import get_state, make_env
+from iws_gym.envs.registry import TaskConfig
+from iws_gym.models.checkpoint import git_commit
+
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random"]  # append only: files store indices
+# `iws collect --mix`: the default play mix, whole-episode jittery pushes, or whole episodes of a uniform-random
+# target every step (the stability check's random drive, `behaviours.RandomTargets`)
+MIXES = ("play", "jittery", "random")
+
+
+def check_mix(mix: str) -> None:
+    if mix not in MIXES:
+        raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
+
+
+def episode_plan(mix: str, seed: int, steps: int):
+    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng)."""
+    check_mix(mix)
+    if mix == "play":
+        return None
+    if mix == "random":
+        return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
+    return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
+
+
+def mix_of(plan: str) -> str:
+    """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
+    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:")):
+        if plan.startswith(prefix):
+            return mix
+    return "play"
+
+
+def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None, plan=None) -> dict:
+    """One episode of scripted play from seed `seed`. Returns the arrays of `data.ARRAYS` plus 'plan'.
+
+    `plan` ([(name, behaviour, n_steps), ...]) overrides the sampled behaviour mix."""
+    steps = steps or task.episode_steps
+    env = env or make_env(task.frame_size)
+    rng = np.random.default_rng(seed)
+    if plan is None:
+        plan, near_goal = sample_episode_plan(rng, steps)
+    else:
+        near_goal = False
+    options = {"reset_to_state": near_goal_state(rng)} if near_goal else None
+    obs, info = env.reset(seed=seed, options=options)
+    frames, agent_pos, block_pose, coverage = [obs["pixels"]], [obs["agent_pos"]], [info["block_pose"]], [0.0]
+    actions, contacts, segments = [], [], []
+    coverage[0] = float(env._get_coverage())
+    for name, behaviour, n in plan:
+        for _ in range(n):
+            a = np.asarray(behaviour.act(get_state(env)), dtype=np.float32)
+            obs, _, _, _, info = env.step(a)
+            actions.append(a)
+            frames.append(obs["pixels"])
+            agent_pos.append(obs["agent_pos"])
+            block_pose.append(info["block_pose"])
+            coverage.append(info["coverage"])
+            contacts.append(info["n_contacts"])
+            segments.append(SEGMENT_NAMES.index(name) if name in SEGMENT_NAMES else -1)
+    return dict(
+        frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
+        block_pose=np.stack(block_pose), coverage=np.array(coverage), n_contacts=np.array(contacts),
+        segments=np.array(segments), plan=[(name, n) for name, _, n in plan],
+    )
+
+
+HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery", "random")
+
+
+def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", first: int = 0, progress: bool = False,
+                     behaviour: str = "mix"):
+    """Held-out ground-truth episodes n of a named split (data.splits), from its `first`-th seed on,
+    generated on the fly from seeds disjoint from any training seed.
+
+    behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy; "jittery":
+    whole-episode jittery pushes (`iws collect --mix jittery`); "random": a uniform-random target every step
+    (the evaluation-only RandomTargets, as `iws eval stability` drives the model)."""
+    from tqdm import tqdm
+
+    if behaviour not in HELDOUT_BEHAVIOURS:
+        raise ValueError(f"behaviour must be one of {HELDOUT_BEHAVIOURS}, got {behaviour!r}")
+    base = split_offset(split) + first
+    env = make_env(task.frame_size)
+    for i in tqdm(range(n), desc=f"held-out episodes ({behaviour})", disable=not progress):
+        seed = task.heldout_seed_base + base + i
+        if behaviour == "mix":
+            yield collect_episode(task, seed, steps, env)
+        elif behaviour == "jittery":
+            yield collect_episode(task, seed, steps, env, plan=episode_plan("jittery", seed, steps))
+        elif behaviour == "random":
+            yield collect_episode(task, seed, steps, env, plan=episode_plan("random", seed, steps))
+        else:
+            yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
+
+
+def check_out_dir(out: Path, resume: bool) -> set[int]:
+    """Make sure `out` can take a new collection. Returns the indices already there when resuming."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory")
+    existing = sorted(out.glob("ep_*.h5")) if out.is_dir() else []
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        raise ValueError(f"output directory {out} is not empty; use a new directory, or --resume to complete an interrupted collection")
+    probe = out / ".write_test"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"output directory {out} cannot be created or written ({e.strerror})") from None
+    for tmp in out.glob("*.h5.tmp"):  # half-written leftovers of an interrupted run
+        tmp.unlink()
+    return {int(p.stem.split("_")[1]) for p in existing}
+
+
+def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: int | None = None,
+            resume: bool = False, progress: bool = True, mix: str = "play") -> dict:
+    from tqdm import tqdm
+
+    if episodes <= 0:
+        raise ValueError(f"--episodes must be > 0, got {episodes}")
+    steps = steps or task.episode_steps
+    if steps <= 0:
+        raise ValueError(f"--steps must be > 0, got {steps}")
+    if seed < 0 or seed + episodes > task.heldout_seed_base:
+        raise ValueError(f"seeds {seed}..{seed + episodes - 1} overlap the held-out range (>= {task.heldout_seed_base}) or are negative")
+    check_mix(mix)  # before anything is written
+    out = Path(out)
+    done = check_out_dir(out, resume)
+    if done:  # resuming: the finished episodes must be this very collection's (same seeds, same mix)
+        from iws_gym.data.episodes import read_episode
+
+        i = min(done)
+        attrs = read_episode(episode_path(out, i), keys=())["attrs"]
+        was = mix_of(str(attrs.get("plan", "")))
+        if int(attrs.get("seed", -1)) != seed + i or was != mix:
+            raise ValueError(f"cannot resume {out} with --seed {seed} --mix {mix}: its episode {i} was collected with "
+                             f"seed {attrs.get('seed')} and mix {was} (expected seed {seed + i})")
+    env = make_env(task.frame_size)
+    t0 = time.time()
+    todo = [i for i in range(episodes) if i not in done]
+    for i in tqdm(todo, desc=f"collect {task.name}", unit="ep", disable=not progress):
+        ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps))
+        attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
+                     plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
+        write_episode(episode_path(out, i), ep, attrs)
+    wall = time.time() - t0
+    meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, mix=mix, seeds=[seed, seed + episodes - 1],
+                frame_size=task.frame_size, ground_truth=task.ground_truth, gym_pusht_version=_version("gym-pusht"),
+                commit=git_commit(), wall_s=round(wall, 1),
+                episodes_per_min=round(len(todo) / max(wall, 1e-9) * 60, 1) if todo else None)
+    write_json_atomic(out / "dataset.json", meta)
+    return meta
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "unknown"

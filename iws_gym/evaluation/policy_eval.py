@@ -1,0 +1,477 @@
+"""`iws eval policy`: Monte-Carlo evaluation of any policy in the learned env, batched across episodes,
+optionally side by side with the ground truth (gym-pusht) from identical initial states.
+
+A policy is given as MODULE:CALLABLE. CALLABLE is either a policy object/function `obs -> action` or a
+class / factory that builds one (called with no arguments, once per episode). An action is (2,) or an
+action chunk (k, 2) (Diffusion Policy, ACT), executed step by step before the policy is asked again.
+If the policy has `reset(seed)`, it is called at every episode start.
+
+Scores follow Push-T: an episode's score is its max coverage; success = max coverage > 0.95.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from iws_gym.data.splits import SPLITS
+from iws_gym.tasks.pusht.groundtruth import make_env
+from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
+from iws_gym.envs.registry import TaskConfig
+
+
+def load_policy_factory(spec: str):
+    if ":" not in spec:
+        raise ValueError(f"--policy must be MODULE:CALLABLE, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load policy {spec!r}: {e}") from None
+    if inspect.isclass(obj):
+        return obj
+    if callable(obj) and getattr(obj, "is_factory", False):
+        return obj
+    return lambda: obj  # a plain function/object shared by every episode
+
+
+class _Runner:
+    """One episode's policy with its pending action chunk."""
+
+    def __init__(self, factory, seed: int):
+        self.policy = factory()
+        if hasattr(self.policy, "reset"):
+            self.policy.reset(seed)
+        self.queue: list[np.ndarray] = []
+
+    def act(self, obs) -> np.ndarray:
+        if not self.queue:
+            a = np.asarray(self.policy(obs), dtype=np.float32)
+            if a.shape == (2,):
+                self.queue = [a]
+            elif a.ndim == 2 and a.shape[1] == 2 and len(a) > 0:
+                self.queue = list(a)
+            else:
+                raise ValueError(f"policy returned an action of shape {a.shape}; expected (2,) or a chunk (k, 2)")
+        return self.queue.pop(0)
+
+
+def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
+    """Initial states [agent x, y, block x, y, angle] from held-out gym-pusht resets (seeded)."""
+    env = make_env(task.frame_size)
+    out = []
+    for i in range(episodes):
+        env.reset(seed=task.heldout_seed_base + SPLITS["test"] + seed + i)
+        out.append([*env.agent.position, *env.block.position, env.block.angle])
+    return np.array(out)
+
+
+LEARNED_BATCH = 32  # episodes per vector env in run_learned
+
+
+def _precision(device: str) -> str:
+    """The number format the learned env's networks run in on `device` (see hardware.default_dtype)."""
+    from iws_gym.models.hardware import default_dtype, dtype_name
+
+    return dtype_name(default_dtype(device))
+
+
+def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
+                best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None):
+    """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
+    episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
+    to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
+    the first batch's episodes are appended to it, one (n, H, W, 3) array per step (an episode that has
+    ended repeats its last frame)."""
+    import gymnasium as gym
+
+    import iws_gym  # noqa: F401
+
+    n = len(states)
+    scores = np.zeros(n)
+    t0 = time.time()
+    for b0 in range(0, n, batch):
+        idx = np.arange(b0, min(n, b0 + batch))
+        envs = gym.make_vec("IWS-TPushing-v0", num_envs=len(idx), checkpoint=checkpoint, device=device,
+                            max_episode_steps=horizon + 1, reencode=reencode,
+                            reencode_every=reencode_every)
+        obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
+        runners = [_Runner(factory, seed + i) for i in idx]
+        best = np.array(info["coverage"], dtype=float)
+        keep = best_frames is not None
+        at_best = obs["pixels"].copy() if keep else None
+        rec = record is not None and b0 == 0
+        if rec:
+            record.append(obs["pixels"].copy())
+        done = np.zeros(len(idx), bool)
+        for _ in range(horizon):
+            acts = np.stack([r.act({k: v[j] for k, v in obs.items()}) if not done[j] else np.zeros(2, np.float32)
+                             for j, r in enumerate(runners)])
+            obs, rew, term, trunc, info = envs.step(acts)
+            better = ~done & (np.asarray(info["coverage"]) > best)
+            if keep:
+                at_best[better] = obs["pixels"][better]
+            if rec:
+                record.append(np.where(done[:, None, None, None], record[-1], obs["pixels"]))
+            best = np.where(better, info["coverage"], best)
+            done |= term
+            if done.all():
+                break
+        scores[idx] = best
+        if keep:
+            best_frames.extend(at_best)
+        envs.close()
+    return scores, (time.time() - t0) / n
+
+
+def run_ground_truth(task, factory, states, horizon, seed, record: list | None = None, record_episodes: int = 0,
+                     pixel_scores: list | None = None):
+    """Scores of one policy in gym-pusht from each initial state (its true coverage), and seconds per
+    episode. If `record` is a list, it receives the observed frames of the first `record_episodes`
+    episodes, one (T+1, H, W, 3) array per episode (an episode that ended early repeats its last frame).
+    If `pixel_scores` is a list, it receives each episode's score as the learned env reads it: the max
+    coverage of gym-pusht's own frames by the default pixel scorer (so a gap can be split into the
+    scorer's part and the dynamics' part)."""
+    env = make_env(task.frame_size)
+    scorer = TPushCoverageScorer(frame_size=task.frame_size) if pixel_scores is not None else None
+    scores = np.zeros(len(states))
+    t0 = time.time()
+    for i, st in enumerate(states):
+        obs, info = env.reset(options={"reset_to_state": st})
+        runner = _Runner(factory, seed + i)
+        best = float(env._get_coverage())
+        best_px = scorer.coverage(obs["pixels"]) if scorer else None
+        frames = [obs["pixels"]] if record is not None and i < record_episodes else None
+        for _ in range(horizon):
+            obs, r, term, trunc, info = env.step(runner.act(obs))
+            best = max(best, info["coverage"])
+            if scorer:
+                best_px = max(best_px, scorer.coverage(obs["pixels"]))
+            if frames is not None:
+                frames.append(obs["pixels"])
+            if term:
+                break
+        if frames is not None:
+            record.append(np.stack(frames + [frames[-1]] * (horizon + 1 - len(frames))))
+        scores[i] = best
+        if scorer:
+            pixel_scores.append(float(best_px))
+    return scores, (time.time() - t0) / len(states)
+
+
+def episode_video_frames(learned: list, ground_truth: list | None = None) -> list[np.ndarray]:
+    """Video frames that tile episodes side by side, the ground truth (if given) above the learned env:
+    `learned` is a list of (n, H, W, 3) arrays, one per step; `ground_truth` a list of n (T+1, H, W, 3)
+    arrays, one per episode."""
+    out = []
+    for t, row in enumerate(learned):
+        tile = np.concatenate(list(row), axis=1)  # (H, n*W, 3)
+        if ground_truth is not None:
+            gt = np.concatenate([ep[min(t, len(ep) - 1)] for ep in ground_truth], axis=1)
+            tile = np.concatenate([gt, tile], axis=0)
+        out.append(tile)
+    return out
+
+
+def _summary(scores: np.ndarray) -> dict:
+    n = len(scores)
+    succ = (scores > 0.95).astype(float)
+    return dict(mean_max_coverage=float(scores.mean()), stderr=float(scores.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
+                success_rate=float(succ.mean()), success_stderr=float(succ.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
+                episodes=n)
+
+
+def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, seed: int = 0, ground_truth: bool = False,
+                    checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4) -> dict:
+    """With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
+    --ground-truth, gym-pusht's frames above the learned env's, from the same starts)."""
+    if episodes <= 0 or horizon <= 0:
+        raise ValueError(f"--episodes and --horizon must be > 0, got {episodes} and {horizon}")
+    if video is not None and video_episodes <= 0:
+        raise ValueError(f"--video-episodes must be > 0, got {video_episodes}")
+    factory = load_policy_factory(policy)
+    states = start_states(task, episodes, seed)
+    k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
+    rec_l = [] if video is not None else None
+    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l)
+    report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed, precision=_precision(device),
+                  start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
+                  learned=dict(**_summary(learned), seconds_per_episode=t_l, scores=learned.tolist()))
+    rec_g = [] if video is not None and ground_truth else None
+    if ground_truth:
+        gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec_g, record_episodes=k)
+        report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
+        report["gap"] = dict(**paired_gap(learned, gt), mean_abs=float(np.abs(learned - gt).mean()))
+    if video is not None:
+        from iws_gym.evaluation.demo import write_video
+
+        write_video(episode_video_frames([f[:k] for f in rec_l], rec_g), video, scale=2)
+        report["video"] = dict(path=str(video), episodes=k, layout="gym-pusht above the learned env" if ground_truth else "learned env")
+    return report
+
+
+def paired_gap(learned, gt) -> dict:
+    """Mean learned - ground-truth score over episodes that share their initial state, with the standard
+    error of that mean from the per-episode differences (pairing removes the spread between starts), and
+    whether the gap is more than two standard errors from zero."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 1 or len(gt) < 1:
+        raise ValueError(f"paired_gap needs two equal-length, non-empty 1D score arrays, got {learned.shape} and {gt.shape}")
+    d = learned - gt
+    if len(d) < 2:  # one episode: no spread to judge the gap by
+        return dict(mean=float(d.mean()), stderr=None, significant=False)
+    se = float(d.std(ddof=1) / np.sqrt(len(d)))
+    return dict(mean=float(d.mean()), stderr=se, significant=bool(abs(d.mean()) > 2 * se))
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties averaged (for Spearman's rho)."""
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x), dtype=float)
+    for v in np.unique(x):
+        m = x == v
+        r[m] = r[m].mean()
+    return r
+
+
+def pearson(x, y) -> float:
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 2 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def spearman(x, y) -> float:
+    return pearson(_ranks(np.asarray(x, float)), _ranks(np.asarray(y, float)))
+
+
+def suite_bootstrap(learned: np.ndarray, gt: np.ndarray, n: int = 2000, seed: int = 0) -> dict:
+    """How much the suite-level figures depend on which starts were drawn: learned and gt are (P, E)
+    scores of P policies from the same E starts; resample the starts with replacement (one draw for all
+    policies and both worlds, which keeps the pairing) and recompute Pearson r, Spearman rho and the
+    mean |gap| of the policy means. Returns each figure's 5th / 50th / 95th percentile and the share of
+    resamples in which the issue's target holds."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 2 or gt.shape[1] < 2:
+        raise ValueError(f"suite_bootstrap needs two equal (policies, episodes) score arrays with >= 2 episodes, "
+                         f"got {learned.shape} and {gt.shape}")
+    rng = np.random.default_rng(seed)
+    out = {"pearson_r": [], "spearman_rho": [], "mean_abs_gap": []}
+    for _ in range(n):
+        idx = rng.integers(0, gt.shape[1], gt.shape[1])
+        L, G = learned[:, idx].mean(1), gt[:, idx].mean(1)
+        out["pearson_r"].append(pearson(L, G))
+        out["spearman_rho"].append(spearman(L, G))
+        out["mean_abs_gap"].append(float(np.abs(L - G).mean()))
+    res = {k: [float(q) for q in np.nanpercentile(v, [5, 50, 95])] for k, v in out.items()}
+    res.update(resamples=n, seed=seed,
+               share_pearson_ge_0_95=float(np.mean(np.asarray(out["pearson_r"]) >= 0.95)),
+               share_spearman_ge_0_9=float(np.mean(np.asarray(out["spearman_rho"]) >= 0.9)),
+               share_mean_abs_gap_le_0_05=float(np.mean(np.asarray(out["mean_abs_gap"]) <= 0.05)))
+    return res
+
+
+def suite_figures(per: dict) -> dict:
+    """The suite-level figures of `correlate` from its per-policy results (which hold every episode's
+    scores), so a stored report can be re-analysed without rerunning (`reanalyse`)."""
+    L = np.array([p["learned"]["mean_max_coverage"] for p in per.values()])
+    G = np.array([p["ground_truth"]["mean_max_coverage"] for p in per.values()])
+    all_l = np.concatenate([p["scores_learned"] for p in per.values()])
+    all_g = np.concatenate([p["scores_ground_truth"] for p in per.values()])
+    all_p = np.concatenate([p["scores_learned_pose"] for p in per.values()])
+    overall = dict(policies=len(per), pearson_r=pearson(L, G), spearman_rho=spearman(L, G),
+                   mean_bias=float((L - G).mean()), mean_abs_gap=float(np.abs(L - G).mean()),
+                   episode_level_pearson_r=pearson(all_l, all_g),
+                   success_rate_pearson_r=pearson([p["learned"]["success_rate"] for p in per.values()],
+                                                  [p["ground_truth"]["success_rate"] for p in per.values()]),
+                   optimistic_policies=[k for k, p in per.items() if p["gap"] > 0.1],
+                   significantly_optimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] > 0],
+                   significantly_pessimistic=[k for k, p in per.items() if p["gap_significant"] and p["gap"] < 0],
+                   # the learned score re-read by the pose-fit scorer at each episode's best frame
+                   pose_scorer_mean_abs_diff=float(np.mean(np.abs(all_l - all_p))),
+                   pearson_r_pose_scorer=pearson([np.mean(p["scores_learned_pose"]) for p in per.values()], G),
+                   seconds_per_episode_learned=float(np.mean([p["seconds_per_episode_learned"] for p in per.values()])),
+                   seconds_per_episode_ground_truth=float(np.mean([p["seconds_per_episode_ground_truth"] for p in per.values()])))
+    overall["targets"] = dict(pearson_ge_0_95=overall["pearson_r"] >= 0.95, spearman_ge_0_9=overall["spearman_rho"] >= 0.9,
+                              mean_abs_gap_le_0_05=overall["mean_abs_gap"] <= 0.05)
+    if all("scores_ground_truth_pixels" in p for p in per.values()):  # both worlds read by the same scorer
+        Gpx = np.array([np.mean(p["scores_ground_truth_pixels"]) for p in per.values()])
+        overall["same_scorer"] = dict(
+            pearson_r=pearson(L, Gpx), spearman_rho=spearman(L, Gpx), mean_bias=float((L - Gpx).mean()),
+            mean_abs_gap=float(np.abs(L - Gpx).mean()), scorer_mean_bias=float((Gpx - G).mean()),
+            significantly_optimistic=[k for k, p in per.items() if p["dynamics_gap_significant"] and p["dynamics_gap"] > 0],
+            significantly_pessimistic=[k for k, p in per.items() if p["dynamics_gap_significant"] and p["dynamics_gap"] < 0])
+    scores = ([p["scores_learned"] for p in per.values()], [p["scores_ground_truth"] for p in per.values()])
+    if len(all_g) >= 2 * len(per):  # the same figures over resampled starts: how firmly each target is met or missed
+        overall["bootstrap_over_starts"] = suite_bootstrap(*scores)
+    if len(all_g) >= 4 * len(per):  # how well the ground truth ranks the suite against itself (the ceiling)
+        overall["split_half"] = split_half(*scores)
+    return overall
+
+
+def split_half(learned: np.ndarray, gt: np.ndarray, n: int = 2000, seed: int = 0) -> dict:
+    """The ranking's noise ceiling. learned and gt are (P, E) scores of P policies from the same E starts.
+    Split the starts at random into halves A and B and compare policy means over E/2 starts each:
+    gt(A) vs gt(B) is how well the ground truth agrees with itself on independent starts (no evaluator
+    can be expected to beat it at this sample size), learned(A) vs gt(B) is the learned env on the same
+    footing. Returns the median and 5th / 95th percentiles of Spearman rho and Pearson r over n splits."""
+    learned, gt = np.asarray(learned, float), np.asarray(gt, float)
+    if learned.shape != gt.shape or gt.ndim != 2 or gt.shape[1] < 4:
+        raise ValueError(f"split_half needs two equal (policies, episodes) score arrays with >= 4 episodes, "
+                         f"got {learned.shape} and {gt.shape}")
+    rng = np.random.default_rng(seed)
+    h = gt.shape[1] // 2
+    out = {k: [] for k in ("gt_vs_gt_spearman", "learned_vs_gt_spearman", "gt_vs_gt_pearson", "learned_vs_gt_pearson")}
+    for _ in range(n):
+        idx = rng.permutation(gt.shape[1])
+        a, b = idx[:h], idx[h : 2 * h]
+        ga, gb, la = gt[:, a].mean(1), gt[:, b].mean(1), learned[:, a].mean(1)
+        out["gt_vs_gt_spearman"].append(spearman(ga, gb))
+        out["learned_vs_gt_spearman"].append(spearman(la, gb))
+        out["gt_vs_gt_pearson"].append(pearson(ga, gb))
+        out["learned_vs_gt_pearson"].append(pearson(la, gb))
+    res = {k: [float(q) for q in np.nanpercentile(v, [5, 50, 95])] for k, v in out.items()}
+    res.update(starts_per_half=h, splits=n, seed=seed)
+    return res
+
+
+def reanalyse(path) -> dict:
+    """A stored `correlate` report with its suite-level figures recomputed by this version's code from
+    the per-episode scores it holds (`iws eval correlate --from-json REPORT`); nothing is rerun."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text())
+        per = report["per_policy"]
+        lengths = set()
+        for name, p in per.items():
+            for k in ("scores_learned", "scores_ground_truth", "scores_learned_pose"):
+                if not isinstance(p.get(k), list):
+                    raise KeyError(f"per_policy.{name}.{k}")
+                lengths.add(len(p[k]))
+        if len(lengths) != 1:
+            raise KeyError("per_policy (no policies, or score lists of different lengths)")
+    except FileNotFoundError:
+        raise ValueError(f"correlate report {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON correlate report ({e})") from None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a correlate report with per-episode scores: missing or bad {e}") from None
+    report["overall"] = suite_figures(per)
+    report["reanalysed_from"] = str(path)
+    return report
+
+
+def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
+               reencode: bool = True, reencode_every: int | None = None, threads: int | None = None):
+    """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
+    can run it). Returns (scores, seconds per episode)."""
+    import torch
+
+    from iws_gym.policies.scripted import suite
+    from iws_gym.envs.registry import load_task
+
+    if threads:
+        torch.set_num_threads(threads)
+    task, factory = load_task(task_name), suite()[name]
+    if world == "learned":
+        frames: list = []
+        scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames,
+                                  reencode_every=reencode_every)
+        # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
+        scorer = TPushCoverageScorer(method="pose")
+        pose = np.array([scorer.coverage(f) for f in frames])
+        return scores, sec, pose
+    pixels: list = []  # the same episodes read by the learned env's pixel scorer
+    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels))
+
+
+def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
+              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True,
+              reencode_every: int | None = None) -> dict:
+    """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
+    well the learned env's scores track the ground truth (per policy and overall).
+
+    workers > 1 runs that many (policy, world) jobs at once in separate processes (one torch thread
+    each), the frame-reading pushers first because they are the slowest: those policies spend most of
+    their time in single-threaded numpy, so two workers on a 2-core machine nearly halve the wall time.
+    Every job sees the same starts and seeds either way."""
+    from tqdm import tqdm
+
+    from iws_gym.policies.scripted import suite
+    from iws_gym.models.world_model import RolloutSettings, check_reencode_every
+
+    if episodes <= 1 or horizon <= 0:
+        raise ValueError(f"--episodes must be > 1 and --horizon > 0, got {episodes} and {horizon}")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    reencode_every = check_reencode_every(reencode_every) if reencode_every is not None else RolloutSettings.reencode_every
+    policies = suite()
+    unknown = sorted(set(names or []) - set(policies))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; the suite has {sorted(policies)}")
+    if names:
+        policies = {k: v for k, v in policies.items() if k in names}
+    states = start_states(task, episodes, seed)
+    t0 = time.time()
+    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every)
+    jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
+    if workers == 1:
+        res = {j: _suite_run(task.name, *j, *args) for j in tqdm(jobs, desc="policy suite (policy x world)")}
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            futs = {pool.submit(_suite_run, task.name, *j, *args, 1): j for j in jobs}
+            res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
+    per = {}
+    for name in policies:  # the suite's order, whatever finished first
+        (learned, t_l, pose), (gt, t_g, gt_px) = res[(name, "learned")], res[(name, "ground_truth")]
+        pg = paired_gap(learned, gt)
+        sg, dg = paired_gap(gt_px, gt), paired_gap(learned, gt_px)
+        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=pg["mean"], gap_stderr=pg["stderr"],
+                         gap_significant=pg["significant"], episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
+                         seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist(),
+                         scores_learned_pose=pose.tolist(), scores_ground_truth_pixels=gt_px.tolist(),
+                         # gap = scorer part (gym-pusht's frames read by the pixel scorer - true coverage)
+                         #     + dynamics part (learned - gym-pusht's frames read by the same scorer)
+                         scorer_gap=sg["mean"], scorer_gap_stderr=sg["stderr"],
+                         dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"])
+    overall = suite_figures(per)
+    report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
+                  reencode_every=reencode_every if reencode else None, precision=_precision(device),
+                  checkpoint=str(checkpoint or task.checkpoint_path),
+                  score="max coverage over the episode (Push-T); success = max coverage > 0.95",
+                  start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
+                  overall=overall, per_policy=per, wall_s=round(time.time() - t0, 1))
+    if plot:
+        plot_correlation(report, plot)
+        report["plot"] = str(plot)
+    return report
+
+
+def plot_correlation(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    for name, p in report["per_policy"].items():
+        g, l = p["ground_truth"], p["learned"]
+        ax.errorbar(g["mean_max_coverage"], l["mean_max_coverage"], xerr=g["stderr"], yerr=l["stderr"], fmt="o",
+                    capsize=3, label=name)
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    o = report["overall"]
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="gym-pusht (ground truth): mean max coverage",
+           ylabel="IWS-TPushing-v0 (learned): mean max coverage",
+           title=f"r = {o['pearson_r']:.3f}, rho = {o['spearman_rho']:.3f}, mean |gap| = {o['mean_abs_gap']:.3f}")
+    ax.legend(fontsize=7, loc="upper left")  # a legend, not labels at the points: scores often cluster
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,140 @@
+"""`iws release`: copy a trained stage into the shipped checkpoint directory with its provenance.
+
+Provenance (`checkpoints/<task>/PROVENANCE.md` and `provenance.json`) records, per stage: the exact
+training command, the data seed and episodes, steps and wall time, the commit that trained it, the
+commit of the release, and the metrics measured on it (the JSON reports given with --report).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from iws_gym.models.checkpoint import git_commit
+from iws_gym.data.episodes import write_json_atomic
+
+
+def _norm(path) -> str:
+    return str(Path(path)).rstrip("/")
+
+
+def _run_dir(p: dict) -> str | None:
+    """The run directory a provenance entry was released from (older entries: the command's --out)."""
+    if p.get("run"):
+        return p["run"]
+    m = re.search(r"--out\s+(\S+)", p.get("command") or "")
+    return _norm(m.group(1)) if m else None
+
+
+def _summaries(reports: list[Path]) -> dict:
+    out = {}
+    for p in reports:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"report {p} does not exist")
+        r = json.loads(Path(p).read_text())
+        out[str(p)] = r.get("summary", r)
+    return out
+
+
+def promote(src: Path, stage: str, dest: Path, reports: list[Path]) -> dict:
+    """Make a candidate release (a directory written like checkpoints/<task>, with provenance.json) the
+    release in `dest`: its weights and its provenance entry, chain included, move over unchanged; the
+    release commit is now, and the reports given replace the candidate's (none given: they are kept).
+    With src == dest this re-releases the weights in place with new reports."""
+    src, dest = Path(src), Path(dest)
+    prov_src = json.loads((src / "provenance.json").read_text())
+    if stage not in prov_src:
+        raise ValueError(f"{src / 'provenance.json'} has no entry for {stage}")
+    weights = src / f"{stage}.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} does not exist")
+    same = src.resolve() == dest.resolve()  # re-releasing in place: new reports for the same weights
+    entry = dict(prov_src[stage], released_at_commit=git_commit(),
+                 promoted_from=prov_src[stage].get("promoted_from") if same else _norm(src))
+    if reports:
+        entry["reports"] = _summaries(reports)
+    dest.mkdir(parents=True, exist_ok=True)
+    if not same:
+        tmp = dest / f".{stage}.safetensors.tmp"
+        shutil.copyfile(weights, tmp)
+        tmp.replace(dest / f"{stage}.safetensors")
+    prov_file = dest / "provenance.json"
+    prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    prov[stage] = entry
+    _write_provenance(dest, prov)
+    return entry
+
+
+def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None) -> dict:
+    """Release a trained stage from its run directory, or promote a candidate release: a directory
+    with provenance.json and no train_result.json (see `promote`)."""
+    from safetensors import safe_open
+
+    run, dest = Path(run), Path(dest)
+    src = run / f"{stage}.safetensors"
+    if not src.is_file():
+        raise FileNotFoundError(f"{src} does not exist: train the stage first")
+    if (run / "provenance.json").is_file() and not (run / "train_result.json").is_file():
+        return promote(run, stage, dest, reports)
+    result_file = run / "train_result.json"
+    result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    with safe_open(str(src), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "kind"}
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".{stage}.safetensors.tmp"
+    shutil.copyfile(src, tmp)
+    tmp.replace(dest / f"{stage}.safetensors")
+    prov_file = dest / "provenance.json"
+    prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    # a fine-tune (`--finetune RELEASE`) continues the weights released before it: keep that chain
+    base = None
+    if meta.get("finetuned_from") and stage in prov:
+        old = prov[stage]
+        if _run_dir(old) == _norm(run):
+            # an earlier export of this same run (released again with new reports, or the run went on
+            # after an intermediate release): the chain is the one that export had, not the export itself
+            base = old.get("finetuned_from")
+        else:
+            base = {k: old.get(k) for k in ("command", "steps", "wall_s", "trained_at_commit", "finetuned_from")}
+    prov[stage] = dict(
+        file=f"{stage}.safetensors", run=_norm(run), size_mb=round((dest / f"{stage}.safetensors").stat().st_size / 2**20, 2),
+        command=command or result.get("command"), data=meta.get("data"), data_seed=meta.get("data_seed"),
+        data_episodes=meta.get("data_episodes"), steps=result.get("step", meta.get("step")),
+        wall_s=result.get("wall_s"), device=result.get("device"), trained_at_commit=meta.get("commit"),
+        released_at_commit=git_commit(), train_eval=meta.get("eval"), config=meta.get("config"),
+        reports=_summaries(reports),
+    )
+    if base is not None:  # steps and wall time in total; this run's own in finetune_*
+        prov[stage].update(finetune_steps=meta.get("finetune_steps"), finetune_wall_s=result.get("wall_s"),
+                           steps=meta.get("step"), wall_s=round((result.get("wall_s") or 0) + (base["wall_s"] or 0), 1),
+                           finetuned_from=base)
+    _write_provenance(dest, prov)
+    return prov[stage]
+
+
+def _write_provenance(dest: Path, prov: dict) -> None:
+    write_json_atomic(dest / "provenance.json", prov)
+    lines = ["# Provenance of the shipped weights", "",
+             "Written by `iws release`; the JSON twin is `provenance.json`. Weights are bf16 safetensors whose",
+             "metadata carries the model config, so `WorldModel.from_pretrained` needs nothing else.", ""]
+    for name, p in prov.items():
+        lines += [f"## {name}", "", f"- file: `{p['file']}` ({p['size_mb']} MB)", f"- command: `{p['command']}`",
+                  f"- data: `{p['data']}`, collection seed {p['data_seed']}, {p['data_episodes']} episodes "
+                  "(regenerate: `iws collect --task tpushing --episodes 600 --out data/tpushing --seed 0`)",
+                  f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
+                  f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
+                  f"- eval during training: `{json.dumps(p['train_eval'])}`"]
+        if p.get("promoted_from"):
+            lines.append(f"- promoted from the candidate release `{p['promoted_from']}` (run `{p.get('run')}`)")
+        b = p.get("finetuned_from")
+        while b:  # the runs it continues, newest first
+            lines.append(f"- fine-tuned from the release trained by `{b['command']}` ({b['steps']} steps in total, "
+                         f"{b['wall_s']} s, commit `{b['trained_at_commit']}`)")
+            b = b.get("finetuned_from")
+        for rp, summary in p["reports"].items():
+            lines.append(f"- measured by `{rp}`: see that file; summary `{json.dumps(summary)[:600]}`")
+        lines.append("")
+    tmp = dest / ".PROVENANCE.md.tmp"
+    tmp.write_text("\n".join(lines))
+    tmp.replace(dest / "PROVENANCE.md")
