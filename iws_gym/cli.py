@@ -16,7 +16,8 @@ def _task(name):
 def cmd_collect(a):
     from iws_gym.data.collect import collect
 
-    meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume, mix=a.mix)
+    meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume, mix=a.mix,
+                   workers=a.workers)
     print(json.dumps(meta, indent=2))
 
 
@@ -120,6 +121,10 @@ def cmd_eval_recon(a):
 
 
 def cmd_train(a):
+    if a.stage == "recipe":
+        from iws_gym.training.recipe import main as recipe_main
+
+        return recipe_main(a.rest)
     from iws_gym.training.train import main as train_main
 
     train_main(a.stage, a.rest)
@@ -181,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="episode i uses seed S+i (must stay below the held-out range)")
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
+    c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
     c.add_argument("--mix", default="play", choices=["play", "jittery", "random"],
                    help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive)")
@@ -194,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_data_stats)
 
     t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics); resumes from OUT/last.pt")
-    t.add_argument("stage", choices=["stage1", "stage2"])
+    t.add_argument("stage", choices=["stage1", "stage2", "recipe"],
+                   help="stage1, stage2, or recipe: collection, both stages and the release in one resumable command")
     t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
     t.set_defaults(fn=cmd_train)
 

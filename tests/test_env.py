@@ -209,6 +209,7 @@ def test_reencode_is_an_env_option(tiny_checkpoint):
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.slow
 def test_compiled_env_matches_the_eager_one(tiny_checkpoint):
     """gym.make(..., compile=True) compiles the dynamics network; the agent position and the frames it
     produces agree with the eager env's up to bf16 rounding (a pixel or two of the frame)."""

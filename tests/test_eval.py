@@ -226,6 +226,7 @@ def test_compare_pairs_episodes():
         compare_fidelity(dict(summary={}), a)
 
 
+@pytest.mark.slow
 def test_compare_command(tmp_path):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "cmp.json"
     run_iws("eval", "fidelity", "--horizon", 3, "--episodes", 2, "--json", a)

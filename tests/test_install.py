@@ -37,9 +37,15 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     """Build the wheel, install it (without its dependencies, which this environment already has) into a
     fresh virtual environment, and from another directory make the env and step it: task configs and the
     default weights must come from the installed package, not from the source tree."""
-    dist = tmp_path / "dist"
+    import shutil
+
+    src, dist = tmp_path / "src", tmp_path / "dist"  # a clean copy of what the wheel is built from (no stale build/)
+    for name in ("iws_gym", "checkpoints"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(ROOT)], check=True, capture_output=True, timeout=600)
+                    str(src)], check=True, capture_output=True, timeout=600)
     wheel = next(dist.glob("iws_gym-*.whl"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from .conftest import run_iws
 from iws_gym.data.collect import heldout_episodes
@@ -48,6 +49,7 @@ def test_a_t_hanging_off_the_table_fails():
     assert "block_inside" not in failures(inside, env) and "block_inside" in failures(off, env)
 
 
+@pytest.mark.slow
 def test_envelope_from_whole_episodes_accepts_real_pushes():
     """An envelope from the first frames of episodes rejects real frames where the block covers the goal
     (it did: 24% of held-out scripted frames, by mean colour); one from whole episodes of both drives

@@ -76,6 +76,7 @@ def test_sampler_counts_denoiser_calls():
         assert len(calls) == steps and x.shape == (2, 3, 128, 128) and x.abs().max() <= 1
 
 
+@pytest.mark.slow
 def test_resume_after_interruption(tiny_dataset, tmp_path):
     out = tmp_path / "run"
     args = ["train", "stage1", "--data", tiny_dataset, "--out", out, "--steps", 8, "--batch", 2, "--preset", "tiny",

@@ -247,6 +247,7 @@ def test_block_moves_reads_the_recorded_block_poses(tiny_dataset):
         assert np.abs(d[:2]).sum() > 1.0 or abs(d[2]) > 0.01
 
 
+@pytest.mark.slow
 def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_checkpoint, tmp_path):
     from iws_gym.models.checkpoint import load_release
 

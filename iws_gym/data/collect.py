@@ -130,8 +130,25 @@ def check_out_dir(out: Path, resume: bool) -> set[int]:
     return {int(p.stem.split("_")[1]) for p in existing}
 
 
+_ENV = {}  # one gym-pusht per process and frame size (collection workers reuse theirs)
+
+
+def _collect_one(job) -> int:
+    """Record episode i of a collection (seed + i) into its file."""
+    task, seed, i, steps, mix, out = job
+    env = _ENV.get(task.frame_size)
+    if env is None:
+        env = _ENV[task.frame_size] = make_env(task.frame_size)
+    ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps))
+    attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
+                 plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
+    write_episode(episode_path(out, i), ep, attrs)
+    return i
+
+
 def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: int | None = None,
-            resume: bool = False, progress: bool = True, mix: str = "play") -> dict:
+            resume: bool = False, progress: bool = True, mix: str = "play", workers: int = 1) -> dict:
+    """Record `episodes` episodes of scripted play (episode i: seed + i) into `out`, with `workers` processes."""
     from tqdm import tqdm
 
     if episodes <= 0:
@@ -153,14 +170,21 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
         if int(attrs.get("seed", -1)) != seed + i or was != mix:
             raise ValueError(f"cannot resume {out} with --seed {seed} --mix {mix}: its episode {i} was collected with "
                              f"seed {attrs.get('seed')} and mix {was} (expected seed {seed + i})")
-    env = make_env(task.frame_size)
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
     t0 = time.time()
     todo = [i for i in range(episodes) if i not in done]
-    for i in tqdm(todo, desc=f"collect {task.name}", unit="ep", disable=not progress):
-        ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps))
-        attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
-                     plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
-        write_episode(episode_path(out, i), ep, attrs)
+    jobs = [(task, seed, i, steps, mix, out) for i in todo]
+    bar = dict(total=len(todo), desc=f"collect {task.name}", unit="ep", disable=not progress)
+    if workers == 1:
+        for job in tqdm(jobs, **bar):
+            _collect_one(job)
+    else:  # episodes are independent files: any number of processes, each with its own gym-pusht
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(workers) as pool:
+            for _ in tqdm(pool.imap_unordered(_collect_one, jobs), **bar):
+                pass
     wall = time.time() - t0
     meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, mix=mix, seeds=[seed, seed + episodes - 1],
                 frame_size=task.frame_size, ground_truth=task.ground_truth, gym_pusht_version=_version("gym-pusht"),

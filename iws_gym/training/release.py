@@ -121,7 +121,8 @@ def _write_provenance(dest: Path, prov: dict) -> None:
     for name, p in prov.items():
         lines += [f"## {name}", "", f"- file: `{p['file']}` ({p['size_mb']} MB)", f"- command: `{p['command']}`",
                   f"- data: `{p['data']}`, collection seed {p['data_seed']}, {p['data_episodes']} episodes "
-                  "(regenerate: `iws collect --task tpushing --episodes 600 --out data/tpushing --seed 0`)",
+                  f"(regenerate: `iws collect --task tpushing --episodes {p['data_episodes']} --out {p['data']} "
+                  f"--seed {p['data_seed']}`)",
                   f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
                   f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
                   f"- eval during training: `{json.dumps(p['train_eval'])}`"]

@@ -30,7 +30,8 @@ class Options:
     init: str | None = arg(None, "the stage-1 release (file or directory) the dynamics build on (default: the "
                                  "task's shipped weights)")
     finetune: str | None = arg(None, "continue this stage-2 release: its config, normalisation and weights")
-    preset: str = arg("default", "model size: default | tiny (tests)")
+    preset: str = arg("default", "model size: default (1.8 M parameters in the trunk) | large (a GPU's: 2x wider, "
+                                 "2x deeper) | tiny (tests)")
     agent_track: bool = arg(False, "condition on the agent track: its recorded position in each context frame and "
                                    "where its motion law, fitted to the episodes, puts it next (dynamics.agent_landing)")
     focus: float = arg(0.0, "share of windows whose target transition moves the block (contact)")
@@ -44,6 +45,13 @@ class Options:
                                       "default: the release's with --finetune, else consistency")
     sample_steps: int | None = arg(None, "default sampler steps per prediction stored in the config "
                                          "(default: 1 for consistency, 4 for denoise)")
+
+
+PRESETS = {  # DynamicsConfig changes per --preset
+    "default": {},
+    "large": dict(ch=256, blocks=6, heads=8, emb_dim=256, hires_ch=128),
+    "tiny": dict(ch=16, blocks=1, heads=2, emb_dim=16, context=2, hires_ch=8),
+}
 
 
 def check_share(name: str, v: float) -> None:
@@ -90,8 +98,8 @@ class Stage(StageBase):
             raise ValueError(f"--focus + --jump-focus must be <= 1, got {o.focus} + {o.jump_focus}")
         if o.jump_focus > 0 and not o.agent_track:
             raise ValueError("--jump-focus reads the recorded agent positions: pass --agent-track")
-        if o.preset not in ("default", "tiny"):
-            raise ValueError(f"--preset must be 'default' or 'tiny', got {o.preset!r}")
+        if o.preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {o.preset!r}")
         self.stage1, _, self.stage1_file = load_stage(o.init or self.task.checkpoint_path, "stage1", Stage1Config,
                                                       Stage1, device)
         cfg1 = self.stage1.cfg
@@ -102,8 +110,7 @@ class Stage(StageBase):
             self.data.jumps = agent_jumps(self.data.agent)
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
-        if o.preset == "tiny":
-            cfg = dataclasses.replace(cfg, ch=16, blocks=1, heads=2, emb_dim=16, context=2, hires_ch=8)
+        cfg = dataclasses.replace(cfg, **PRESETS[o.preset])
         init_sd, offset = None, 0
         if o.finetune:  # continue from a stage-2 release: its config (and normalisation) and weights
             f2 = find_release(o.finetune, "stage2")

@@ -1,0 +1,145 @@
+"""`iws train recipe`: from nothing to released weights in one command, resumable after any interruption.
+
+    iws train recipe --task tpushing --out runs/recipe                      # 2 CPU cores
+    iws train recipe --task tpushing --out runs/recipe --scale gpu --workers 14 --budget-minutes 9   # one GPU
+
+Steps, in order: collect the dataset (OUT/data), train stage 1 (OUT/stage1), train stage 2 on it
+(OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>). A step
+that is done is skipped; one that was interrupted resumes from its checkpoint when the same command runs
+again. `--max-minutes` (per training stage) or `--budget-minutes` (the whole recipe, shared out between
+the stages) stop a stage after a checkpoint: rerun the command to continue, or, with --budget-minutes,
+the stage's weights so far are released as they are. OUT/recipe.json records the command, seeds, each
+step's wall time and the commit.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from iws_gym.training.train import arg
+
+SCALES = {  # model size and batch per stage; "gpu" is what one GPU affords in minutes and 2 cores never could
+    "tiny": dict(stage1=dict(batch=4, preset="tiny", crop=64), stage2=dict(batch=4, preset="tiny")),
+    "cpu": dict(stage1=dict(batch=32, preset="default", crop=64), stage2=dict(batch=32, preset="default")),
+    "gpu": dict(stage1=dict(batch=128, preset="default", crop=0), stage2=dict(batch=128, preset="large")),
+}
+
+
+@dataclass
+class RecipeArgs:
+    task: str = arg("tpushing", "task config name (iws_gym/envs/configs/<task>.toml)")
+    out: str = arg("runs/recipe", "output folder: data/, stage1/, stage2/, release/, recipe.json")
+    scale: str = arg("cpu", "model size and batch: tiny (tests) | cpu (2 cores) | gpu (one GPU)")
+    episodes: int = arg(600, "episodes of scripted play to collect")
+    episode_steps: int | None = arg(None, "steps per episode (default: the task's)")
+    seed: int = arg(0, "collection seed (episode i uses seed + i) and training seed")
+    workers: int = arg(1, "collection processes (one per core)")
+    stage1_steps: int = arg(24000, "stage-1 optimizer steps")
+    stage2_steps: int = arg(6000, "stage-2 optimizer steps")
+    stage1_lr: float = arg(1e-3, "stage-1 peak learning rate")
+    stage2_lr: float = arg(7e-4, "stage-2 peak learning rate")
+    objective: str = arg("consistency", "stage-2 objective: consistency | denoise (see iws train stage2 --help)")
+    eval_every: int = arg(1000, "steps between evaluations during training")
+    device: str = arg("auto", "auto | cpu | cuda")
+    max_minutes: float | None = arg(None, "stop each training stage after a checkpoint past this much wall time; "
+                                           "rerun to continue")
+    budget_minutes: float | None = arg(None, "wall-time budget of the whole recipe: stage 1 gets 40% of what is "
+                                             "left after collection, stage 2 the rest; each stage's weights are "
+                                             "released as they are when its share runs out")
+
+
+# the shipped stage-2 recipe (docs/training.md): agent track, contact and fast-move windows, repair augmentations
+STAGE2_RECIPE = ["--agent-track", "--focus", "0.5", "--jump-focus", "0.3", "--drop-agent", "0.2",
+                 "--corrupt-block", "0.2"]
+
+
+def _finished(run: Path, steps: int) -> bool:
+    f = run / "train_result.json"
+    if not f.is_file():
+        return False
+    r = json.loads(f.read_text())
+    return bool(r.get("finished")) and r.get("step") == steps
+
+
+def recipe(r: RecipeArgs, argv=None) -> dict:
+    from iws_gym.data.collect import collect
+    from iws_gym.envs.registry import load_task
+    from iws_gym.models.checkpoint import git_commit
+    from iws_gym.training.release import release
+    from iws_gym.training.train import main as train_main
+
+    if r.scale not in SCALES:
+        raise ValueError(f"--scale must be one of {', '.join(SCALES)}, got {r.scale!r}")
+    if min(r.episodes, r.stage1_steps, r.stage2_steps, r.workers) < 1:
+        raise ValueError("--episodes, --stage1-steps, --stage2-steps and --workers must be >= 1")
+    task = load_task(r.task)
+    out = Path(r.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = out / "recipe.json"
+    log = json.loads(log_file.read_text()) if log_file.is_file() else {}
+    if log.get("args") and {k: v for k, v in log["args"].items() if k not in ("max_minutes", "budget_minutes", "workers", "device")} != \
+            {k: v for k, v in asdict(r).items() if k not in ("max_minutes", "budget_minutes", "workers", "device")}:
+        raise ValueError(f"{log_file}: {out} holds a recipe run with other settings ({log['args']}); use a new --out")
+    log.update(args=asdict(r), command=" ".join(["iws", "train", "recipe", *map(str, argv or [])]),
+               commit=git_commit(), steps=log.get("steps", {}))
+    t_start = time.time()
+
+    def note(key, **kw):
+        log["steps"][key] = {**log["steps"].get(key, {}), **kw}
+        log_file.write_text(json.dumps(log, indent=2))
+
+    # 1. data
+    data = out / "data"
+    meta_file = data / "dataset.json"
+    if not (meta_file.is_file() and json.loads(meta_file.read_text()).get("episodes") == r.episodes):
+        t0 = time.time()
+        meta = collect(task, r.episodes, data, seed=r.seed, steps=r.episode_steps, resume=data.is_dir(), workers=r.workers)
+        note("collect", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"], episodes=r.episodes)
+
+    def minutes(share: float):
+        if r.budget_minutes is None:
+            return r.max_minutes
+        left = r.budget_minutes - (time.time() - t_start) / 60
+        return max(0.5, left * share)
+
+    # 2. stage 1, 3. stage 2: the same loop as `iws train STAGE`, with the equivalent command recorded
+    sc = SCALES[r.scale]
+    stages = [
+        ("stage1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", sc["stage1"]["batch"], "--preset", sc["stage1"]["preset"],
+                                    "--crop", sc["stage1"]["crop"]], 0.4),
+        ("stage2", r.stage2_steps, ["--lr", r.stage2_lr, "--batch", sc["stage2"]["batch"], "--preset", sc["stage2"]["preset"],
+                                    "--init", out / "stage1", "--objective", r.objective, *STAGE2_RECIPE], 1.0),
+    ]
+    for name, steps, flags, share in stages:
+        run = out / name
+        if _finished(run, steps):
+            continue
+        mins = minutes(share)
+        argv_stage = ["--data", data, "--out", run, "--steps", steps, "--seed", r.seed, "--eval-every", r.eval_every,
+                      "--device", r.device, *flags] + (["--max-minutes", mins] if mins is not None else [])
+        result = train_main(name, [str(x) for x in argv_stage])  # its wall_s counts earlier sessions of the run
+        note(name, wall_s=result.get("wall_s"), step=result.get("step"), finished=result.get("finished"),
+             command=result.get("command"))
+        if not result.get("finished") and r.budget_minutes is None:
+            print(f"iws train recipe: {name} stopped at step {result.get('step')} (--max-minutes); "
+                  f"run the same command again to continue", file=sys.stderr)
+            return log
+    # 4. release
+    for name in ("stage1", "stage2"):
+        release(out / name, name, out / "release", [])
+    note("release", path=str(out / "release"), wall_s_total=round(sum(s.get("wall_s", 0) for s in log["steps"].values()), 1))
+    return log
+
+
+def main(argv=None):
+    import argparse
+
+    from iws_gym.training.train import HelpFormatter, add_dataclass_args
+
+    p = argparse.ArgumentParser(prog="iws train recipe", description=__doc__, formatter_class=HelpFormatter)
+    add_dataclass_args(p, RecipeArgs, RecipeArgs())
+    r = RecipeArgs(**vars(p.parse_args(argv)))
+    return recipe(r, argv)

@@ -1,0 +1,58 @@
+"""One command from nothing to released weights (iws train recipe), and the GPU script at toy scale."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import ROOT, run_iws
+
+TINY = ["--scale", "tiny", "--episodes", 3, "--episode-steps", 24, "--stage1-steps", 6, "--stage2-steps", 4,
+        "--eval-every", 100, "--workers", 2]
+
+
+def test_recipe_runs_collection_both_stages_and_release_and_resumes(tmp_path):
+    out = tmp_path / "recipe"
+    run_iws("train", "recipe", "--out", out, *TINY)
+    log = json.loads((out / "recipe.json").read_text())
+    assert set(log["steps"]) == {"collect", "stage1", "stage2", "release"} and log["command"].startswith("iws train recipe")
+    prov = json.loads((out / "release" / "provenance.json").read_text())
+    assert prov["stage2"]["command"] == log["steps"]["stage2"]["command"]  # the stage's exact command, reproducible alone
+    assert "--agent-track" in prov["stage2"]["command"] and prov["stage1"]["data_seed"] == 0
+    from iws_gym.models.world_model import WorldModel
+
+    wm = WorldModel.from_pretrained(out / "release", device="cpu", stages=("stage1", "stage2"))
+    assert wm.rollout(np.full((128, 128, 3), 255, np.uint8), np.zeros((2, 2)), agent_pos=[256.0, 256.0]).shape[0] == 3
+    # interrupted after stage 1: the rerun skips what is done and finishes the rest
+    before = (out / "stage1" / "stage1.safetensors").read_bytes()
+    for f in ("stage2/train_result.json", "stage2/stage2.safetensors", "release/stage2.safetensors"):
+        (out / f).unlink()
+    run_iws("train", "recipe", "--out", out, *TINY)
+    assert (out / "stage1" / "stage1.safetensors").read_bytes() == before and (out / "release" / "stage2.safetensors").is_file()
+    # the same folder with other settings is refused, and nothing in it is touched
+    proc = run_iws("train", "recipe", "--out", out, *TINY[:-2], "--workers", 1, "--seed", 5, check=False)
+    assert proc.returncode == 2 and "other settings" in proc.stderr
+    assert (out / "stage1" / "stage1.safetensors").read_bytes() == before
+
+
+def test_collection_workers_record_the_same_episodes(tmp_path):
+    from iws_gym.data.episodes import read_episode
+
+    for w in (1, 2):
+        run_iws("collect", "--episodes", 3, "--steps", 8, "--out", tmp_path / f"w{w}", "--seed", 11, "--workers", w)
+    for i in range(3):
+        a, b = (read_episode(tmp_path / f"w{w}" / f"ep_{i:06d}.h5") for w in (1, 2))
+        assert np.array_equal(a["frames"], b["frames"]) and np.array_equal(a["actions"], b["actions"])
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_at_toy_scale_on_a_cpu(tmp_path):
+    env = {**os.environ, "IWS_RECIPE_SCALE": "tiny", "OMP_NUM_THREADS": "1"}
+    subprocess.run(["bash", str(ROOT / "scripts" / "gpu_recipe.sh"), str(tmp_path)], check=True, env=env, cwd=ROOT,
+                   capture_output=True, timeout=600)
+    assert (tmp_path / "recipe" / "release" / "stage2.safetensors").is_file()
+    r = json.loads((tmp_path / "fidelity_validation.json").read_text())
+    assert r["split"] == "validation" and "t_whole_share" in r["summary"]["model"]
+    assert json.loads(Path(tmp_path / "machine.json").read_text())["cores"] >= 1
