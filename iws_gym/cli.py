@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--checkpoint", default=None)
     es.add_argument("--steps", type=int, default=9000)
     es.add_argument("--check-every", type=int, default=10)
-    es.add_argument("--actions", nargs="+", default=["random", "scripted"], choices=["random", "scripted"])
+    es.add_argument("--actions", nargs="+", default=["random", "scripted"], choices=["random", "scripted", "hold"],
+                    help="drives: uniform-random targets, held-out scripted play, hold (the agent commanded to stay "
+                         "put: a still world must stay still)")
     es.add_argument("--seed", type=int, default=0)
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,

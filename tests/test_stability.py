@@ -67,18 +67,24 @@ def test_envelope_from_whole_episodes_accepts_real_pushes():
 def test_stability_command(tiny_checkpoint, tmp_path):
     out = tmp_path / "stab.json"
     run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 12, "--check-every", 6,
-            "--calib-episodes", 2, "--calib-steps", 20, "--strip", tmp_path / "strip.png", "--json", out)
+            "--calib-episodes", 2, "--calib-steps", 20, "--strip", tmp_path / "strip.png", "--json", out,
+            "--actions", "random", "scripted", "hold")
     r = json.loads(out.read_text())
     # the checks are checked: real frames of a disjoint set (2 drives x 2 episodes x 4 frames) pass
     assert r["false_alarm"]["frames"] == 16 and r["false_alarm"]["invalid_fraction"] <= 0.25
     assert r["false_alarm_of_start_envelope"]["frames"] == 16
-    assert set(r["rollouts"]) == {"random", "scripted"} and r["precision"] in ("bf16", "fp32")
+    assert set(r["rollouts"]) == {"random", "scripted", "hold"} and r["precision"] in ("bf16", "fp32")
+    # object permanence: real frames pass, the untrained model's T is never whole
+    assert r["t_whole"]["false_alarm"] == 0.0 and r["rollouts"]["random"]["t_whole_share"] == 0.0
+    still = r["rollouts"]["hold"]["still_world"]  # the agent told to stay put: how far does the world move?
+    assert 0 <= still["block_lost_share"] <= 1 and still["frame_mean_abs_diff_max"] > 1
     for roll in r["rollouts"].values():
         assert roll["checks"] == 2
         # an untrained tiny model makes garbage: the checks must notice
         assert roll["first_failure"] is not None and roll["first_failure"]["step"] == 6
         assert roll["strip_steps"] == [0, 6, 12]  # the first check past each ninth of the rollout
         assert len(roll["invalid_fraction_by_tenth"]) == 10 and roll["invalid_fraction_by_tenth"][4] == 1.0
+        assert len(roll["t_whole_share_by_tenth"]) == 10
     assert r["stable"] is False
     assert (tmp_path / "strip.png").stat().st_size > 0
     proc = run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 0, check=False)

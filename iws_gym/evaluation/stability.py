@@ -134,14 +134,21 @@ def false_alarms(frames: np.ndarray, envelope: dict) -> dict:
                 failed_fraction={k: v / len(frames) for k, v in sorted(counts.items())})
 
 
-def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator) -> np.ndarray:
+ACTION_KINDS = ("random", "scripted", "hold")
+
+
+def _actions(kind: str, task: TaskConfig, steps: int, rng: np.random.Generator, start_agent=None) -> np.ndarray:
+    """The drive of a long rollout: uniform-random targets, held-out scripted play, or "hold": the agent
+    commanded to stay where it starts (in gym-pusht nothing then moves: a still world must stay still)."""
+    if kind == "hold":
+        return np.tile(np.asarray(start_agent, np.float32).reshape(1, 2), (steps, 1))
     if kind == "random":
         return rng.uniform(task.action_low, task.action_high, (steps, 2)).astype(np.float32)
     if kind == "scripted":
         n = -(-steps // task.episode_steps)
         acts = [ep["actions"] for ep in heldout_episodes(task, n, task.episode_steps, "contact", progress=True)]
         return np.concatenate(acts)[:steps].astype(np.float32)
-    raise ValueError(f"action kind must be 'random' or 'scripted', got {kind!r}")
+    raise ValueError(f"action kind must be one of {', '.join(ACTION_KINDS)}, got {kind!r}")
 
 
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
@@ -186,8 +193,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     strips = []
     for kind in kinds:
         rng = np.random.default_rng(seed)
-        actions = _actions(kind, task, steps, rng)
+        actions = _actions(kind, task, steps, rng, start["agent_pos"][0])
         first = start["frames"][0]
+        first_est, first_stats = estimate(first), frame_stats(first)
+        drift, frame_diff, agent_area = [], [], []  # a still world: how far the T and the frame move from the start
         gen = torch.Generator().manual_seed(seed)
         state = wm.start_frames(first[None], start["agent_pos"][:1])
         first_fail, fail_counts, n_checks, n_bad, shown, shown_at = None, {}, 0, 0, [first], [0]
@@ -209,7 +218,12 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 seg = min(t * n_seg // steps, n_seg - 1)
                 seg_bad[seg] += bool(bad)
                 seg_n[seg] += 1
-                seg_whole[seg] += is_whole_t(estimate(frame), frame.shape[0], whole_residual)
+                est = estimate(frame)
+                seg_whole[seg] += is_whole_t(est, frame.shape[0], whole_residual)
+                if kind == "hold":
+                    drift.append(float(np.linalg.norm(est.block[:2] - first_est.block[:2])) if est.block is not None else np.nan)
+                    frame_diff.append(float(np.abs(frame.astype(np.float32) - first).mean()))
+                    agent_area.append(frame_stats(frame)["agent_area"] / max(first_stats["agent_area"], 1e-6))
                 for k in bad:
                     fail_counts[k] = fail_counts.get(k, 0) + 1
                 if bad and first_fail is None:
@@ -226,6 +240,15 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             t_whole_share=sum(seg_whole) / n_checks,
             t_whole_share_by_tenth=[round(w / n, 3) if n else None for w, n in zip(seg_whole, seg_n)],
             final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
+        if kind == "hold":  # the still world: T drift (canvas px), mean frame change (grey levels), agent area ratio
+            d = np.asarray(drift)
+            report["rollouts"][kind]["still_world"] = dict(
+                block_drift_px_max=float(np.nanmax(d)) if np.isfinite(d).any() else None,
+                block_drift_px_final=float(d[-1]) if np.isfinite(d[-1]) else None,
+                block_lost_share=float(np.isnan(d).mean()), frame_mean_abs_diff_max=float(max(frame_diff)),
+                agent_area_ratio_max=float(max(agent_area)),
+                note="the agent is commanded to stay where it starts: in gym-pusht nothing moves, so every figure "
+                     "should stay at the start frame's (drift 0, diff ~0, ratio 1; a ratio near 2 is a second agent)")
         strips.append(np.stack(shown))
     report["stable"] = all(r["first_failure"] is None for r in report["rollouts"].values())
     if strip is not None:
