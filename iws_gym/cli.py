@@ -388,8 +388,59 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+COMMON_HELP = {  # options that mean the same in every command
+    "task": "task config name (iws_gym/envs/configs/<task>.toml)",
+    "json": "write the report to this JSON file (it is printed either way)",
+    "checkpoint": "checkpoint directory with stage1/stage2 safetensors (default: the shipped weights)",
+    "device": "auto (CUDA if present, else CPU) | cpu | cuda",
+    "seed": "seed of the starts, the policies and the samplers",
+    "episodes": "held-out episodes (or starts) to run",
+    "steps": "steps per episode",
+    "horizon": "steps per episode",
+    "data": "dataset directory written by `iws collect`",
+    "out": "output directory",
+    "plot": "write a PNG plot here",
+    "behaviour": "held-out drive: the training play mix, an unseen scripted sweep, jittery pushes, or a uniform-random "
+                 "target every step",
+    "mix": "play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; random: whole "
+           "episodes of a uniform-random target every step",
+    "loader_batches": "batches timed for the loader-speed figure",
+    "batch": "batch size", "lr": "learning rate", "max_episodes": "use only the first N episodes",
+    "save_at": "steps at which to save a policy checkpoint",
+    "decoder_steps": "consistency steps of the decoder per frame (default: 1)",
+    "dynamics_sampler": "the dynamics' sampler: consistency jumps or Euler steps of the probability-flow ODE "
+                        "(default: the model's own)",
+    "predictor": "which predictor of the reports to compare",
+    "train_episodes": "training episodes (the first N of --data)",
+    "video_episodes": "episodes shown in the video",
+    "check_every": "steps between validity checks",
+    "frames": "held-out frames to reconstruct",
+    "video": "write an mp4 of the rollouts here",
+    "batch_sizes": "vector-env sizes to time", "batch_steps": "steps timed per vector-env size",
+    "precision": "number format of the networks (auto: bf16 where the hardware has it natively, else fp32)",
+    "dest": "the release directory to write",
+    "stage": "which stage",
+}
+
+
+def build_parser_with_help() -> argparse.ArgumentParser:
+    """build_parser, with every option's help filled in (COMMON_HELP where a command gave none) and its
+    default shown: `iws CMD --help` documents every flag."""
+    p = build_parser()
+    todo = [p]
+    while todo:
+        q = todo.pop()
+        q.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        for act in q._actions:
+            if isinstance(act, argparse._SubParsersAction):
+                todo.extend(act.choices.values())
+            elif act.help is None and act.dest in COMMON_HELP:
+                act.help = COMMON_HELP[act.dest]
+    return p
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser_with_help().parse_args(argv)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem
