@@ -32,3 +32,20 @@ def test_train_help_lists_the_stage_options_with_defaults(stage, flag, capsys):
         parse_args(stage, ["--help"])
     out = capsys.readouterr().out
     assert flag in out and "--max-minutes" in out and "(default:" in out
+
+
+def test_layers_import_only_downwards():
+    """The env and the world model load nothing of training, evaluation, collection or h5py; models load no
+    task package (nothing task-specific inside the model); nothing imports the CLI."""
+    import subprocess
+    import sys
+
+    code = ("import sys, iws_gym.envs.env, iws_gym.envs.vector_env, iws_gym.models.world_model; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith(('iws_gym', 'h5py')))))")
+    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    bad = [m for m in mods if m.startswith(("iws_gym.training", "iws_gym.evaluation", "iws_gym.data.collect",
+                                            "iws_gym.data.episodes", "iws_gym.cli", "h5py"))]
+    assert not bad, bad
+    code = "import sys, iws_gym.models.world_model, iws_gym.models.dynamics; print(' '.join(m for m in sys.modules if m.startswith('iws_gym')))"
+    mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert all(m.startswith(("iws_gym.models", "iws_gym.metrics")) or m == "iws_gym" for m in mods), mods

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from iws_gym.training.train import arg
+from iws_gym.training.common import arg
 
 SCALES = {  # model size and batch per stage; "gpu" is what one GPU affords in minutes and 2 cores never could
     "tiny": dict(stage1=dict(batch=4, preset="tiny", crop=64), stage2=dict(batch=4, preset="tiny")),
@@ -137,7 +137,7 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
 def main(argv=None):
     import argparse
 
-    from iws_gym.training.train import HelpFormatter, add_dataclass_args
+    from iws_gym.training.common import HelpFormatter, add_dataclass_args
 
     p = argparse.ArgumentParser(prog="iws train recipe", description=__doc__, formatter_class=HelpFormatter)
     add_dataclass_args(p, RecipeArgs, RecipeArgs())

@@ -16,8 +16,7 @@ from iws_gym.data.episodes import InMemoryEpisodes
 from iws_gym.models.checkpoint import git_commit, save_release
 from iws_gym.models.decoder import Stage1, Stage1Config, decode
 from iws_gym.models.frames import frames_to_tensor
-from iws_gym.training.common import StageBase, psnr
-from iws_gym.training.train import arg
+from iws_gym.training.common import StageBase, arg, psnr
 
 
 @dataclass

@@ -21,8 +21,7 @@ from iws_gym.data.latents import (LatentEpisodes, agent_erased_latents, agent_ju
 from iws_gym.models.checkpoint import find_release, git_commit, load_release, load_stage, load_state_checked, save_release
 from iws_gym.models.decoder import Stage1, Stage1Config, decode
 from iws_gym.models.dynamics import DynamicsConfig, Stage2, fit_agent_motion
-from iws_gym.training.common import StageBase
-from iws_gym.training.train import arg
+from iws_gym.training.common import StageBase, arg
 
 
 @dataclass

@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +28,8 @@ import torch
 import torch.distributed as dist
 
 from iws_gym.models.checkpoint import atomic_torch_save, config_to_dict
+from iws_gym.training.common import HelpFormatter, add_dataclass_args, arg
 from iws_gym.models.hardware import autocast, compute_dtype, dtype_name, resolve_device
-
-
-def arg(default, help: str):
-    """A dataclass field whose help text becomes the flag's `--help`."""
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -58,23 +54,6 @@ class TrainArgs:
     device: str = arg("auto", "auto (CUDA if present, else CPU) | cpu | cuda | cuda:N")
     amp: bool = arg(True, "bf16 autocast where the hardware runs bf16 natively (AMX / AVX512-BF16 CPUs, CUDA); "
                           "fp32 elsewhere, where bf16 is emulated and slower")
-
-
-def add_dataclass_args(p: argparse.ArgumentParser, cls, defaults) -> None:
-    """One flag per field of dataclass `cls`, its help from the field's metadata and its default from `defaults`."""
-    for f in fields(cls):
-        d = getattr(defaults, f.name)
-        flag, help = f"--{f.name.replace('_', '-')}", f.metadata.get("help", "")
-        if isinstance(d, bool):
-            p.add_argument(flag, default=d, action=argparse.BooleanOptionalAction, help=help)
-        else:
-            typ = {"int | None": int, "float | None": float, "str | None": str}.get(str(f.type)) or \
-                {int: int, float: float}.get(type(d), str)
-            p.add_argument(flag, type=typ, default=d, help=help)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every flag's help; the stage's docstring (with its example commands) as written."""
 
 
 def parse_args(stage_name: str, argv) -> tuple[TrainArgs, object]:
