@@ -6,7 +6,7 @@ Keys: arrows / WASD move the agent target; drag with the mouse to set it directl
 R starts recording, R again stops and saves the episode; X discards the recording; SPACE resets to a
 new start; ESC or Q quits. The window shows the frame, FPS, coverage and the recording state.
 
-Recordings are episode files in the project's dataset format (iws_gym/data.py), usable to train
+Recordings are episode files in the project's dataset format (iws_gym/data/episodes.py), usable to train
 policies or the model itself. Fields the learned world cannot know (true block pose, contacts) are
 NaN / -1; `coverage` is the scorer's reading of each frame.
 

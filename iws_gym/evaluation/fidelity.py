@@ -20,7 +20,7 @@ import numpy as np
 from iws_gym import metrics
 from iws_gym.data.collect import heldout_episodes
 from iws_gym.tasks.pusht.groundtruth import render_states, wrap_angle
-from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, estimate, pose_errors, t_area_px
+from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, area_ratio, estimate, inside_share, pose_errors
 from iws_gym.envs.registry import TaskConfig
 
 POSE_KEYS = ("agent_px", "block_px", "block_rad", "coverage")
@@ -74,21 +74,24 @@ def frame_metrics(pred: np.ndarray, ep: dict) -> dict:
         out[k] = np.array([r[k] for r in rows])
     ests = [cache[hash(f.tobytes())] for f in pred]
     out["t_fit_residual"] = np.array([e.fit_residual if e.block is not None else np.nan for e in ests])
-    out["t_area_ratio"] = np.array([e.block_area / t_area_px(pred.shape[1]) if e.block is not None else np.nan
-                                    for e in ests])
+    out["t_area_ratio"] = np.array([area_ratio(e, pred.shape[1]) for e in ests])
+    # a frame is judged only where the true T lies (nearly) inside it: gym-pusht's block can leave the frame
+    out["t_judged"] = np.array([inside_share(ep["block_pose"][t], pred.shape[1]) >= 0.9 for t in range(len(pred))])
     return out
 
 
-def whole_t(residual: np.ndarray, area_ratio: np.ndarray, residual_max: float) -> np.ndarray:
-    """pose.is_whole_t on stored readings: found, area within WHOLE_AREA_TOL, fit residual <= residual_max."""
+def whole_t(residual: np.ndarray, ratio: np.ndarray, judged: np.ndarray, residual_max: float) -> np.ndarray:
+    """pose.is_whole_t on stored readings (found, area within WHOLE_AREA_TOL, fit residual <= residual_max): 1 or
+    0 per frame, NaN where the true T is not inside the frame (not judged)."""
     with np.errstate(invalid="ignore"):
-        return ((np.abs(area_ratio - 1) <= WHOLE_AREA_TOL) & (residual <= residual_max)).astype(np.float64)
+        ok = ((np.abs(ratio - 1) <= WHOLE_AREA_TOL) & (residual <= residual_max)).astype(np.float64)
+    return np.where(judged, ok, np.nan)
 
 
 def by_decile(flags: np.ndarray) -> list[float]:
     """Share of 1s among (episodes, T) flags in each tenth of the horizon (steps 1..T; fewer parts when T < 10)."""
     parts = np.array_split(np.arange(flags.shape[1]), min(10, flags.shape[1]))
-    return [float(flags[:, p].mean()) for p in parts]
+    return [float(np.nanmean(flags[:, p])) if np.isfinite(flags[:, p]).any() else None for p in parts]
 
 
 def _copy_first(ep, horizon):
@@ -154,14 +157,15 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
                   per_step={}, summary={}, wall_s=None)
     # object permanence: the fit-residual bound from the real frames (gym-pusht's renders of the true states)
     res = np.concatenate(per["ground_truth_rerender"]["t_fit_residual"])
-    whole_residual = float(np.nanmax(res) * 1.25)
+    whole_residual = float(np.nanmax(res) * 1.25) if np.isfinite(res).any() else float("nan")
     report["t_whole"] = dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL,
                              rule="found by the pose reader, pixel area within area_tol of the true T's, rigid-T fit "
-                                  "residual <= residual_max (the largest over the episodes' real frames, widened by 25%)")
+                                  "residual <= residual_max (the largest over the episodes' real frames, widened by 25%); "
+                                  "judged only where the true T is at least 90% inside the frame")
     for name, d in per.items():
-        res, area = np.stack(d.pop("t_fit_residual")), np.stack(d.pop("t_area_ratio"))
+        res, ratio, judged = (np.stack(d.pop(k)) for k in ("t_fit_residual", "t_area_ratio", "t_judged"))
         arr = {k: np.stack(v) for k, v in d.items()}  # (episodes, T+1)
-        arr["t_whole"] = whole_t(res, area, whole_residual)
+        arr["t_whole"] = whole_t(res, ratio, judged, whole_residual)
         report["per_step"][name], s = summarise(arr, horizon)
         s["seconds_per_episode"] = timings[name] / episodes
         report["summary"][name] = s
@@ -190,11 +194,13 @@ def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
                     else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
     s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
     if "t_whole" in arr:  # object permanence: the share of frames whose T is whole, overall and per tenth
-        s["t_whole_share"] = float(arr["t_whole"][:, 1:].mean())
-        s["t_whole_share_by_decile"] = by_decile(arr["t_whole"][:, 1:])
+        w = arr["t_whole"]
+        s["t_whole_share"] = float(np.nanmean(w[:, 1:]))
+        s["t_whole_share_by_decile"] = by_decile(w[:, 1:])
+        s["t_whole_judged_frames"] = int(np.isfinite(w[:, 1:]).sum())
         for t in (32, 64, 192):
             if t <= horizon:
-                s[f"t_whole_share@{t}"] = float(arr["t_whole"][:, t].mean())
+                s[f"t_whole_share@{t}"] = float(np.nanmean(w[:, t])) if np.isfinite(w[:, t]).any() else None
     # each episode's mean over steps 1..T, and how far the mean over episodes could move with other episodes
     for k in ("psnr", "ssim"):
         per_ep = np.nanmean(arr[k][:, 1:], axis=1)

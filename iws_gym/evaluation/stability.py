@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from iws_gym.data.collect import heldout_episodes
-from iws_gym.tasks.pusht.geometry import T_REACH
-from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, calibrate_whole_t, is_whole_t, block_fraction, estimate, render_t
+from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, calibrate_whole_t, inside_share, is_whole_t, block_fraction, estimate, render_t
 from iws_gym.envs.registry import TaskConfig
 
 # colours a Push-T frame is made of (RGB): background, goal, block fill/outline, agent, walls
@@ -61,18 +60,6 @@ def frame_stats(frame: np.ndarray) -> dict:
 
 
 RANGED = ("agent_area", "block_area", "fit_residual", "block_inside", "mean_r", "mean_g", "mean_b", "off_palette")
-
-
-def inside_share(pose, size: int) -> float:
-    """Share of the T template at `pose` (canvas coords) that lies inside a size x size frame. The T reaches
-    at most T_REACH canvas px from its body origin, so a border of that many frame px (plus the edge ramp)
-    holds all of it."""
-    scale = 512.0 / size
-    b = int(np.ceil(T_REACH / scale)) + 2
-    ys, xs = np.mgrid[-b : size + b, -b : size + b].astype(np.float64)
-    t = render_t(pose, ys, xs, scale=scale)
-    total = t.sum()
-    return float(t[b:-b, b:-b].sum() / total) if total > 0 else float("nan")
 
 
 def calibrate(frames: np.ndarray, margin: float = 0.25) -> dict:

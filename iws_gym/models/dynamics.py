@@ -285,7 +285,7 @@ class HiResHead(nn.Module):
     2x2 cells and reads out through one transposed convolution; this head sees, cell by cell, the last
     context latent and the noisy target (a skip path around the tokenisation), the target slot's action
     maps and the trunk's upsampled features, and adds a correction to the output. Its last convolution
-    starts at zero, so adding it to a trained network (`--hires-ch`) does not change what it computes."""
+    starts at zero, so adding it to a trained network does not change what it computes."""
 
     def __init__(self, cfg: "DynamicsConfig", blocks: int = 2):
         super().__init__()

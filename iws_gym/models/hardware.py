@@ -4,7 +4,7 @@ bf16 is fast only where the hardware computes in it: CUDA GPUs of compute capabi
 with AMX or AVX512-BF16 (recent Intel Xeons, AMD Zen 4 and later). Elsewhere - AVX2-only CPUs, which
 is most laptops and many cloud machines - PyTorch emulates bf16 and every convolution runs several
 times *slower* than in fp32 (measured by `iws bench` on an AVX2 AMD EPYC: 2.9 env steps/s in bf16
-against 13.0 in fp32; README, "Speed"). So the default is bf16 where it is native and fp32 everywhere
+against 13.0 in fp32; docs/results.md, "Speed"). So the default is bf16 where it is native and fp32 everywhere
 else; `IWS_DTYPE=bf16|fp32` overrides it for a process. Reports name the precision they ran in.
 
     device = resolve_device("auto")        # CUDA when present, else the CPU

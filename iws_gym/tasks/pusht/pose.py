@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from iws_gym.tasks.pusht.geometry import CANVAS, T_AREA, T_AREA_CENTROID, t_sdf_local
+from iws_gym.tasks.pusht.geometry import CANVAS, T_AREA, T_AREA_CENTROID, T_REACH, t_sdf_local
 from iws_gym.tasks.pusht.groundtruth import coverage_of, rot, wrap_angle
 
 BLOCK_RGB = np.array([131.0, 150.0, 169.0])  # between the block's fill (143,163,184) and its outline (119,136,153)
@@ -144,7 +144,19 @@ def estimate(frame: np.ndarray) -> FramePose:
     return FramePose(agent_position(frame), pose, cov, res, float(np.clip(a, 0, 1).sum()))
 
 
-WHOLE_AREA_TOL = 0.2  # a whole T's pixel area is within 20% of the true T's
+def inside_share(pose, size: int) -> float:
+    """Share of the T template at `pose` (canvas coords) that lies inside a size x size frame. The T reaches
+    at most T_REACH canvas px from its body origin, so a border of that many frame px (plus the edge ramp)
+    holds all of it."""
+    scale = CANVAS / size
+    b = int(np.ceil(T_REACH / scale)) + 2
+    ys, xs = np.mgrid[-b : size + b, -b : size + b].astype(np.float64)
+    t = render_t(pose, ys, xs, scale=scale)
+    total = t.sum()
+    return float(t[b:-b, b:-b].sum() / total) if total > 0 else float("nan")
+
+
+WHOLE_AREA_TOL = 0.2  # a whole T's pixel area is within 20% of the true T's (of its part inside the frame)
 
 
 def t_area_px(frame_size: int) -> float:
@@ -163,12 +175,19 @@ def calibrate_whole_t(frames: np.ndarray, widen: float = 0.25) -> float:
 
 
 def is_whole_t(est: FramePose, frame_size: int, residual_max: float) -> bool:
-    """Object permanence for the T: found by the pose reader, its pixel area within WHOLE_AREA_TOL of the true
-    T's, and the rigid template fits it as well as it fits real frames (residual <= residual_max). A faded,
+    """Object permanence for the T: found by the pose reader, its pixel area within WHOLE_AREA_TOL of a rigid
+    T's at the fitted pose (the part inside the frame), and the rigid template fits it as well as it fits real frames (residual <= residual_max). A faded,
     bent, split or smeared T fails one of the three."""
     if est.block is None or not np.isfinite(est.fit_residual):
         return False
-    return bool(abs(est.block_area / t_area_px(frame_size) - 1) <= WHOLE_AREA_TOL and est.fit_residual <= residual_max)
+    return bool(abs(area_ratio(est, frame_size) - 1) <= WHOLE_AREA_TOL and est.fit_residual <= residual_max)
+
+
+def area_ratio(est: FramePose, frame_size: int) -> float:
+    """The block's pixel area over the area the rigid T at the fitted pose has inside the frame (NaN: no T)."""
+    if est.block is None:
+        return float("nan")
+    return est.block_area / (t_area_px(frame_size) * max(inside_share(est.block, frame_size), 1e-6))
 
 
 def pose_errors(est: FramePose, true_agent, true_block, true_coverage) -> dict:
