@@ -1,8 +1,11 @@
 """The world model as users load it: the frozen stages bundled, with batched encode / decode / predict.
 
-    wm = WorldModel.from_pretrained("checkpoints/tpushing")   # or a run directory
+    wm = WorldModel.from_pretrained("checkpoints/tpushing", stages=("stage1", "stage2"))  # or a run directory
     z = wm.encode(frames_uint8)                             # (B, H, W, 3) uint8 -> (B, C, h, w)
     frames = wm.decode(z, steps=1)                          # -> (B, H, W, 3) uint8
+    state = wm.start(z, agent_pos)                          # rolling context of B envs
+    frames = wm.step(state, actions)                        # (B, 2) -> the next frames (B, H, W, 3) uint8
+    wm4 = wm.with_settings(reencode_every=4)                # other RolloutSettings, the same weights
 
 Device "auto" picks CUDA when present, else the CPU. The networks run in bf16 where the hardware computes
 in it natively (CUDA, AMX / AVX512-BF16 CPUs) and in fp32 elsewhere (`hardware.default_dtype`; emulated
@@ -56,8 +59,6 @@ class RolloutSettings:
         if self.ctx_sigma is not None and not self.ctx_sigma >= 0:
             raise ValueError(f"ctx_sigma must be >= 0, got {self.ctx_sigma!r}")
 
-
-REENCODE_EVERY = RolloutSettings.reencode_every
 
 
 STAGE_FILES = {"stage1": "stage1.safetensors", "stage2": "stage2.safetensors"}
