@@ -237,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--split", default="test", choices=list(SPLITS),
                     help="named held-out split (iws_gym/data/splits.py): test for reports, validation for choosing settings")
     ef.add_argument("--decoder-steps", type=int, default=None)
-    ef.add_argument("--dynamics-steps", type=int, default=None, help="consistency steps per dynamics prediction (default 1)")
-    ef.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"],
-                    help="consistency jumps (the env's) or Euler steps of the probability-flow ODE (a diagnostic)")
+    ef.add_argument("--dynamics-steps", type=int, default=None, help="sampler steps per dynamics prediction (default: the model's)")
+    ef.add_argument("--dynamics-sampler", default=None, choices=["consistency", "euler"],
+                    help="consistency jumps or Euler steps of the probability-flow ODE (default: the model's own)")
     ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (the env's default)")
     _add_reencode_every(ef)
@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     eco.add_argument("--steps", type=int, default=100, help="steps per held-out episode")
     eco.add_argument("--windows", type=int, default=256, help="windows per set and kind")
     eco.add_argument("--seed", type=int, default=0)
-    eco.add_argument("--dynamics-steps", type=int, default=1, help="sampler steps per prediction")
-    eco.add_argument("--dynamics-sampler", default="consistency", choices=["consistency", "euler"])
+    eco.add_argument("--dynamics-steps", type=int, default=None, help="sampler steps per prediction (default: the model's)")
+    eco.add_argument("--dynamics-sampler", default=None, choices=["consistency", "euler"])
     eco.add_argument("--json", default=None)
     eco.set_defaults(fn=cmd_eval_contact)
     epo = esub.add_parser("policy", help="Monte-Carlo policy evaluation in the learned env (and the ground truth)")

@@ -20,7 +20,8 @@ import numpy as np
 from iws_gym import metrics
 from iws_gym.data.collect import heldout_episodes
 from iws_gym.tasks.pusht.groundtruth import render_states, wrap_angle
-from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, area_ratio, estimate, inside_share, pose_errors
+from iws_gym.tasks.pusht.pose import (WHOLE_AREA_TOL, WHOLE_INSIDE, WHOLE_IOU, area_ratio, estimate, inside_share,
+                                      pose_errors)
 from iws_gym.envs.registry import TaskConfig
 
 POSE_KEYS = ("agent_px", "block_px", "block_rad", "coverage")
@@ -75,16 +76,18 @@ def frame_metrics(pred: np.ndarray, ep: dict) -> dict:
     ests = [cache[hash(f.tobytes())] for f in pred]
     out["t_fit_residual"] = np.array([e.fit_residual if e.block is not None else np.nan for e in ests])
     out["t_area_ratio"] = np.array([area_ratio(e, pred.shape[1]) for e in ests])
+    out["t_shape_ok"] = np.array([e.block is not None and e.t_iou >= WHOLE_IOU and
+                                  inside_share(e.block, pred.shape[1]) >= WHOLE_INSIDE for e in ests])
     # a frame is judged only where the true T lies (nearly) inside it: gym-pusht's block can leave the frame
     out["t_judged"] = np.array([inside_share(ep["block_pose"][t], pred.shape[1]) >= 0.9 for t in range(len(pred))])
     return out
 
 
-def whole_t(residual: np.ndarray, ratio: np.ndarray, judged: np.ndarray, residual_max: float) -> np.ndarray:
+def whole_t(residual: np.ndarray, ratio: np.ndarray, shape_ok: np.ndarray, judged: np.ndarray, residual_max: float) -> np.ndarray:
     """pose.is_whole_t on stored readings (found, area within WHOLE_AREA_TOL, fit residual <= residual_max): 1 or
     0 per frame, NaN where the true T is not inside the frame (not judged)."""
     with np.errstate(invalid="ignore"):
-        ok = ((np.abs(ratio - 1) <= WHOLE_AREA_TOL) & (residual <= residual_max)).astype(np.float64)
+        ok = ((np.abs(ratio - 1) <= WHOLE_AREA_TOL) & (residual <= residual_max) & shape_ok).astype(np.float64)
     return np.where(judged, ok, np.nan)
 
 
@@ -158,14 +161,15 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     # object permanence: the fit-residual bound from the real frames (gym-pusht's renders of the true states)
     res = np.concatenate(per["ground_truth_rerender"]["t_fit_residual"])
     whole_residual = float(np.nanmax(res) * 1.25) if np.isfinite(res).any() else float("nan")
-    report["t_whole"] = dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL,
-                             rule="found by the pose reader, pixel area within area_tol of the true T's, rigid-T fit "
+    report["t_whole"] = dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL, iou_min=WHOLE_IOU, inside_min=WHOLE_INSIDE,
+                             rule="found by the pose reader, at least inside_min inside the frame, pixel area within "
+                                  "area_tol of a rigid T's, IoU >= iou_min with it, rigid-T fit "
                                   "residual <= residual_max (the largest over the episodes' real frames, widened by 25%); "
                                   "judged only where the true T is at least 90% inside the frame")
     for name, d in per.items():
-        res, ratio, judged = (np.stack(d.pop(k)) for k in ("t_fit_residual", "t_area_ratio", "t_judged"))
+        res, ratio, shape_ok, judged = (np.stack(d.pop(k)) for k in ("t_fit_residual", "t_area_ratio", "t_shape_ok", "t_judged"))
         arr = {k: np.stack(v) for k, v in d.items()}  # (episodes, T+1)
-        arr["t_whole"] = whole_t(res, ratio, judged, whole_residual)
+        arr["t_whole"] = whole_t(res, ratio, shape_ok, judged, whole_residual)
         report["per_step"][name], s = summarise(arr, horizon)
         s["seconds_per_episode"] = timings[name] / episodes
         report["summary"][name] = s
@@ -408,7 +412,7 @@ def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 
 
 def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_episodes: int = 100,
                   heldout: int = 16, steps: int = 100, windows: int = 256, seed: int = 0,
-                  dynamics_steps: int = 1, dynamics_sampler: str = "consistency") -> dict:
+                  dynamics_steps: int | None = None, dynamics_sampler: str | None = None) -> dict:
     """Where the dynamics' one-step error is: latent MSE of one-step predictions (by default 1 consistency step, from
     real history) on all windows and on windows whose target transition moves the T block (contact),
     against copying the last latent, on training episodes (the first `train_episodes` of `data`) and on
@@ -424,12 +428,14 @@ def contact_error(task: TaskConfig, checkpoint: str | None, data: str, train_epi
     from iws_gym.data.latents import LatentEpisodes, latent_cache, moving_transitions, recorded
     from iws_gym.models.checkpoint import load_stage
 
-    if min(train_episodes, heldout, steps, windows, dynamics_steps) <= 0:
+    if min(train_episodes, heldout, steps, windows, dynamics_steps or 1) <= 0:
         raise ValueError("--train-episodes, --heldout, --steps, --windows and --dynamics-steps must be > 0")
     ck = Path(checkpoint or task.checkpoint_path)
     s1, _, s1_file = load_stage(ck, "stage1", Stage1Config, Stage1, "cpu")
     model, *_ = load_stage(ck, "stage2", DynamicsConfig, Stage2, "cpu")
     cfg = model.cfg
+    dynamics_sampler = dynamics_sampler or ("euler" if cfg.objective == "denoise" else "consistency")
+    dynamics_steps = dynamics_steps or cfg.sample_steps
     train = InMemoryEpisodes.load(Path(data), train_episodes)
     held_eps = list(heldout_episodes(task, heldout, steps, "contact"))
     held = InMemoryEpisodes([e["frames"] for e in held_eps], [e["actions"] for e in held_eps], [])

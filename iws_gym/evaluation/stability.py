@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from iws_gym.data.collect import heldout_episodes
-from iws_gym.tasks.pusht.pose import WHOLE_AREA_TOL, calibrate_whole_t, inside_share, is_whole_t, block_fraction, estimate, render_t
+from iws_gym.tasks.pusht.pose import (WHOLE_AREA_TOL, WHOLE_INSIDE, WHOLE_IOU, block_fraction, calibrate_whole_t, estimate,
+                                      inside_share, is_whole_t)
 from iws_gym.envs.registry import TaskConfig
 
 # colours a Push-T frame is made of (RGB): background, goal, block fill/outline, agent, walls
@@ -173,7 +174,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                   false_alarm=dict(false_alarms(check, envelope), source="the same from split stability_check"),
                   false_alarm_of_start_envelope=false_alarms(check, calibrate(np.concatenate(
                       [ep["frames"][::5] for ep in starts]))),
-                  t_whole=dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL,
+                  t_whole=dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL, iou_min=WHOLE_IOU, inside_min=WHOLE_INSIDE,
                                false_alarm=float(1 - np.mean([is_whole_t(estimate(f), f.shape[0], whole_residual)
                                                               for f in check]))),
                   rollouts={})

@@ -36,6 +36,7 @@ class FramePose:
     coverage: float               # nan if the block is not visible
     fit_residual: float           # mean squared template residual over the fit window (quality flag)
     block_area: float = float("nan")  # the block's pixels (frame px, fractional), whatever their shape
+    t_iou: float = float("nan")       # IoU of the block's pixels with the rigid T at the fitted pose (shape check)
 
 
 def agent_position(frame: np.ndarray) -> np.ndarray | None:
@@ -141,7 +142,13 @@ def estimate(frame: np.ndarray) -> FramePose:
     a, valid = block_fraction(frame)
     pose, res = fit_block(a, valid)
     cov = coverage_of(pose) if pose is not None else float("nan")
-    return FramePose(agent_position(frame), pose, cov, res, float(np.clip(a, 0, 1).sum()))
+    iou = float("nan")
+    if pose is not None:  # pixels at least half block vs half T; where the agent covers the block, neither counts
+        ys, xs = np.mgrid[: frame.shape[0], : frame.shape[1]].astype(np.float64)
+        v = valid > 0.5
+        t, m = (render_t(pose, ys, xs, scale=CANVAS / frame.shape[0]) > 0.5) & v, (a > 0.5) & v
+        iou = float((t & m).sum() / max((t | m).sum(), 1))
+    return FramePose(agent_position(frame), pose, cov, res, float(np.clip(a, 0, 1).sum()), iou)
 
 
 def inside_share(pose, size: int) -> float:
@@ -157,6 +164,8 @@ def inside_share(pose, size: int) -> float:
 
 
 WHOLE_AREA_TOL = 0.2  # a whole T's pixel area is within 20% of the true T's (of its part inside the frame)
+WHOLE_IOU = 0.75      # ... its pixels overlap a rigid T at the fitted pose with IoU >= 0.75 (real frames: >= 0.81)
+WHOLE_INSIDE = 0.9    # ... and that T is at least 90% inside the frame (a bar at the edge is not a T)
 
 
 def t_area_px(frame_size: int) -> float:
@@ -175,12 +184,14 @@ def calibrate_whole_t(frames: np.ndarray, widen: float = 0.25) -> float:
 
 
 def is_whole_t(est: FramePose, frame_size: int, residual_max: float) -> bool:
-    """Object permanence for the T: found by the pose reader, its pixel area within WHOLE_AREA_TOL of a rigid
-    T's at the fitted pose (the part inside the frame), and the rigid template fits it as well as it fits real frames (residual <= residual_max). A faded,
+    """Object permanence for the T: found by the pose reader, at least WHOLE_INSIDE inside the frame, its pixel
+    area within WHOLE_AREA_TOL of a rigid T's at the fitted pose, overlapping that T with IoU >= WHOLE_IOU, and
+    the rigid template fits it as well as it fits real frames (residual <= residual_max). A faded,
     bent, split or smeared T fails one of the three."""
     if est.block is None or not np.isfinite(est.fit_residual):
         return False
-    return bool(abs(area_ratio(est, frame_size) - 1) <= WHOLE_AREA_TOL and est.fit_residual <= residual_max)
+    return bool(abs(area_ratio(est, frame_size) - 1) <= WHOLE_AREA_TOL and est.fit_residual <= residual_max
+                and est.t_iou >= WHOLE_IOU and inside_share(est.block, frame_size) >= WHOLE_INSIDE)
 
 
 def area_ratio(est: FramePose, frame_size: int) -> float:
