@@ -200,7 +200,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             if (t + 1) % check_every == 0 or t + 1 == steps:
                 if not settings.reencode:
                     frame = wm.decode(z, generator=gen)[0]
-                bad = failures(frame_stats(frame), envelope)
+                stats = frame_stats(frame)
+                bad = failures(stats, envelope)
                 n_checks += 1
                 n_bad += bool(bad)
                 seg = min(t * n_seg // steps, n_seg - 1)
@@ -211,7 +212,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 if kind == "hold":
                     drift.append(float(np.linalg.norm(est.block[:2] - first_est.block[:2])) if est.block is not None else np.nan)
                     frame_diff.append(float(np.abs(frame.astype(np.float32) - first).mean()))
-                    agent_area.append(frame_stats(frame)["agent_area"] / max(first_stats["agent_area"], 1e-6))
+                    agent_area.append(stats["agent_area"] / max(first_stats["agent_area"], 1e-6))
                 for k in bad:
                     fail_counts[k] = fail_counts.get(k, 0) + 1
                 if bad and first_fail is None:

@@ -12,7 +12,7 @@ Used on ground-truth and model frames alike, so fidelity can be reported in phys
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,7 +36,20 @@ class FramePose:
     coverage: float               # nan if the block is not visible
     fit_residual: float           # mean squared template residual over the fit window (quality flag)
     block_area: float = float("nan")  # the block's pixels (frame px, fractional), whatever their shape
-    t_iou: float = float("nan")       # IoU of the block's pixels with the rigid T at the fitted pose (shape check)
+    block_map: tuple | None = field(default=None, repr=False, compare=False)  # (fraction, valid) behind the fit
+
+    @property
+    def t_iou(self) -> float:
+        """IoU of the block's pixels with the rigid T at the fitted pose (the shape check; computed on demand,
+        so the env's scorer does not pay for it): pixels at least half block against pixels at least half T;
+        where the agent covers the block, neither counts."""
+        if self.block is None or self.block_map is None:
+            return float("nan")
+        a, valid = self.block_map
+        ys, xs = np.mgrid[: a.shape[0], : a.shape[1]].astype(np.float64)
+        v = valid > 0.5
+        t, m = (render_t(self.block, ys, xs, scale=CANVAS / a.shape[0]) > 0.5) & v, (a > 0.5) & v
+        return float((t & m).sum() / max((t | m).sum(), 1))
 
 
 def agent_position(frame: np.ndarray) -> np.ndarray | None:
@@ -142,13 +155,7 @@ def estimate(frame: np.ndarray) -> FramePose:
     a, valid = block_fraction(frame)
     pose, res = fit_block(a, valid)
     cov = coverage_of(pose) if pose is not None else float("nan")
-    iou = float("nan")
-    if pose is not None:  # pixels at least half block vs half T; where the agent covers the block, neither counts
-        ys, xs = np.mgrid[: frame.shape[0], : frame.shape[1]].astype(np.float64)
-        v = valid > 0.5
-        t, m = (render_t(pose, ys, xs, scale=CANVAS / frame.shape[0]) > 0.5) & v, (a > 0.5) & v
-        iou = float((t & m).sum() / max((t | m).sum(), 1))
-    return FramePose(agent_position(frame), pose, cov, res, float(np.clip(a, 0, 1).sum()), iou)
+    return FramePose(agent_position(frame), pose, cov, res, float(np.clip(a, 0, 1).sum()), (a, valid))
 
 
 def inside_share(pose, size: int) -> float:
