@@ -35,9 +35,11 @@ def parse_events(path):
     return events
 
 
-def save_recording(out: Path, rec: dict, seed: int) -> Path:
+def save_recording(out: Path, rec: dict, seed: int, checkpoint=None) -> Path:
     from iws_gym.data.collect import git_commit
     from iws_gym.data.episodes import episode_path, write_episode, write_json_atomic
+    from iws_gym.data.generate import world_model_identity
+    from iws_gym.envs.registry import load_task
 
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("ep_*.h5"))
@@ -48,10 +50,11 @@ def save_recording(out: Path, rec: dict, seed: int) -> Path:
               n_contacts=np.full(T, -1), segments=np.full(T, -1))
     path = episode_path(out, index)
     write_episode(path, ep, dict(seed=seed, task="tpushing", segment_names=["teleop"], plan=f"teleop:{T}",
-                                 source="examples/play.py (learned world)"))
+                                 source="examples/play.py (learned world)", generated=True))
     meta_path = out / "dataset.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else dict(
-        task="tpushing", seed=seed, steps=None, frame_size=128, source="keyboard play in IWS-TPushing-v0", commit=git_commit())
+        task="tpushing", seed=seed, steps=None, frame_size=128, source="keyboard play in IWS-TPushing-v0", commit=git_commit(),
+        generated=True, world_model=world_model_identity(checkpoint or load_task("tpushing").checkpoint_path))
     meta["episodes"] = index + 1
     write_json_atomic(meta_path, meta)
     return path
@@ -106,7 +109,7 @@ def main(argv=None):
                                    coverage=[info.get("coverage", np.nan)])
                     else:
                         if rec["actions"]:
-                            saved.append(str(save_recording(Path(args.out), rec, args.seed)))
+                            saved.append(str(save_recording(Path(args.out), rec, args.seed, args.checkpoint)))
                         rec = None
                 elif ev.key == pygame.K_x:
                     rec = None

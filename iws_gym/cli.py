@@ -21,6 +21,13 @@ def cmd_collect(a):
     print(json.dumps(meta, indent=2))
 
 
+def cmd_generate(a):
+    from iws_gym.data.generate import generate
+
+    _emit(generate(_task(a.task), Path(a.out), a.episodes, steps=a.steps, seed=a.seed, policy=a.policy,
+                   checkpoint=a.checkpoint, num_envs=a.num_envs, device=a.device), None)
+
+
 def cmd_data_stats(a):
     from iws_gym.data.stats import dataset_stats
 
@@ -113,6 +120,13 @@ def cmd_eval_probe(a):
                 device=a.device), a.json)
 
 
+def cmd_eval_transport(a):
+    from iws_gym.evaluation.transport import transport
+
+    _emit(transport(_task(a.task), a.checkpoint, episodes=a.episodes, steps=a.steps, check_every=a.check_every,
+                    split=a.split, margin=a.margin, grid=Path(a.grid) if a.grid else None, once=a.once), a.json)
+
+
 def cmd_eval_recon(a):
     from iws_gym.evaluation.fidelity import reconstruction
 
@@ -141,6 +155,12 @@ def cmd_demo(a):
     from iws_gym.evaluation.demo import demo
 
     _emit(demo(a.checkpoint, a.episodes, a.steps, a.seed, Path(a.video) if a.video else None, a.device), a.json)
+
+
+def cmd_export_lerobot(a):
+    from iws_gym.data.lerobot import export_lerobot
+
+    _emit(export_lerobot(Path(a.data), Path(a.out), fps=a.fps, max_episodes=a.max_episodes), None)
 
 
 def cmd_bench(a):
@@ -191,6 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive)")
     c.set_defaults(fn=cmd_collect)
+
+    g = sub.add_parser("generate", help="record demonstrations inside the learned world (marked as generated)")
+    g.add_argument("--task", default="tpushing")
+    g.add_argument("--episodes", type=int, required=True, help="number of episodes (> 0)")
+    g.add_argument("--out", required=True, help="new or empty output directory")
+    g.add_argument("--seed", type=int, default=0, help="episode i starts from gym-pusht's start of seed S+i (below "
+                                                      "the held-out range)")
+    g.add_argument("--steps", type=int, default=None, help="most steps per episode; an episode also ends at the "
+                                                         "learned env's success (default: the task's episode_steps)")
+    g.add_argument("--policy", default="iws_gym.policies:FramePusher",
+                   help="MODULE:CALLABLE acting on gym-pusht observations (default: the scripted demonstrator, "
+                        "reading the T from the frame)")
+    g.add_argument("--checkpoint", default=None)
+    g.add_argument("--num-envs", type=int, default=8, help="learned worlds stepped in one batch")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("data-stats", help="behaviour-mix statistics, plots and loader throughput of a dataset")
     s.add_argument("--data", required=True)
@@ -343,6 +379,22 @@ def build_parser() -> argparse.ArgumentParser:
     epr.add_argument("--json", default=None)
     epr.set_defaults(fn=cmd_eval_probe)
 
+    et = esub.add_parser("transport", help="is the stage-1 latent transportable: warp it by the true motion, "
+                                           "step after step, and check the decoded T stays whole")
+    et.add_argument("--task", default="tpushing")
+    et.add_argument("--checkpoint", default=None)
+    et.add_argument("--episodes", type=int, default=8)
+    et.add_argument("--steps", type=int, default=100)
+    et.add_argument("--check-every", type=int, default=10, help="decode and check every this many steps")
+    et.add_argument("--split", default="validation", help="held-out split of the episodes (data.splits)")
+    et.add_argument("--margin", type=float, default=8.0,
+                    help="canvas px around the T and the agent whose cells move with them")
+    et.add_argument("--once", action="store_true", help="warp the first latent by the whole motion since the start "
+                                                        "(one resampling) instead of step after step")
+    et.add_argument("--grid", default=None, help="PNG: truth, warped pixels and the warped latent decoded, one row each")
+    et.add_argument("--json", default=None)
+    et.set_defaults(fn=cmd_eval_transport)
+
     er = esub.add_parser("recon", help="stage-1 reconstruction quality and speed on held-out frames")
     er.add_argument("--task", default="tpushing")
     er.add_argument("--checkpoint", default=None)
@@ -362,6 +414,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto")
     d.add_argument("--json", default=None)
     d.set_defaults(fn=cmd_demo)
+
+    x = sub.add_parser("export", help="write a dataset in another project's layout")
+    xsub = x.add_subparsers(dest="format", required=True)
+    xl = xsub.add_parser("lerobot", help="LeRobotDataset v2.1: parquet episodes, an mp4 per episode, meta/ (info, "
+                                          "episodes, tasks, stats)")
+    xl.add_argument("--data", required=True)
+    xl.add_argument("--out", required=True, help="a new (or empty) directory")
+    xl.add_argument("--fps", type=int, default=10, help="frames per second (gym-pusht steps at 10 Hz)")
+    xl.add_argument("--max-episodes", type=int, default=None, help="export only the first N episodes")
+    xl.set_defaults(fn=cmd_export_lerobot)
 
     b = sub.add_parser("bench", help="speed of the learned env on this device (latency, throughput, FLOPs, RSS)")
     b.add_argument("--checkpoint", default=None)

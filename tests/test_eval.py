@@ -241,3 +241,30 @@ def test_compare_command(tmp_path):
     assert proc.returncode == 2 and "'model'" in proc.stderr
     proc = run_iws("eval", "compare", a, tmp_path / "nope.json", check=False)
     assert proc.returncode == 2 and "nope.json" in proc.stderr
+
+
+def test_motion_grid_is_the_identity_at_rest_and_moves_the_t_with_its_pose():
+    from iws_gym.evaluation.transport import motion_grid
+
+    block, agent = np.array([256.0, 256.0, 0.3]), np.array([100.0, 400.0])
+    g, uncovered = motion_grid(32, block, block, agent, agent)
+    centres = (np.arange(32) + 0.5) / 32 * 2 - 1
+    np.testing.assert_allclose(g[..., 0].numpy(), np.broadcast_to(centres, (32, 32)), atol=1e-6)
+    assert not uncovered.any()
+    # the T moved one cell (16 canvas px) to the right: its cells at t+1 read one cell to the left
+    moved = block + np.array([16.0, 0.0, 0.0])
+    g, uncovered = motion_grid(32, block, moved, agent, agent)
+    shift = (g[..., 0].numpy() - np.broadcast_to(centres, (32, 32))) * 32 / 2  # in cells
+    assert np.isclose(shift, -1.0, atol=1e-5).sum() > 20 and np.isin(np.round(shift, 5), [0.0, -1.0]).all()
+    assert uncovered.any()  # the strip the T left behind
+
+
+def test_transport_command_reports_latent_and_pixel_transport(tiny_stage1, tmp_path):
+    out = tmp_path / "transport.json"
+    run_iws("eval", "transport", "--checkpoint", tiny_stage1, "--episodes", 1, "--steps", 10, "--check-every", 5,
+            "--json", out, "--grid", tmp_path / "t.png")
+    rep = json.loads(out.read_text())
+    assert rep["latent_shape"] == [8, 16, 16] and (tmp_path / "t.png").is_file()
+    assert rep["pixels"]["checks"] == rep["latent"]["checks"] == 2
+    assert rep["pixels"]["whole"] == 1.0  # ten steps of true motion on the frame's own pixels keep the T whole
+    assert 0.0 <= rep["latent"]["whole"] <= 1.0

@@ -26,5 +26,6 @@ def test_play_headless_records_an_episode(tiny_checkpoint, tmp_path):
     assert T == 8 and ep["frames"].shape == (T + 1, 128, 128, 3)
     a = ep["actions"]
     assert np.all(np.diff(a[:4, 0]) > 0) and np.all(np.diff(a[4:7, 1]) > 0)  # moved right, then down
-    assert json.loads((out / "dataset.json").read_text())["episodes"] == 1
+    meta = json.loads((out / "dataset.json").read_text())
+    assert meta["episodes"] == 1 and meta["generated"] is True and len(meta["world_model"]["stage2_sha256"]) == 64
     assert len(list(out.glob("ep_*.h5"))) == 1  # the discarded recording was not written

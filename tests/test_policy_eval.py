@@ -267,3 +267,14 @@ def test_probe_edits_and_command(tiny_checkpoint, tmp_path):
     r = json.loads(out.read_text())
     assert set(r["edits"]) == set(EDITS) and (tmp_path / "p.png").stat().st_size > 0
     assert set(r["edits"]["agent_removed"]) == {"edit_kept", "block_px_vs_unedited", "agent_px_vs_unedited", "coverage"}
+
+
+def test_mmrv_is_the_mean_worst_rank_violation():
+    from iws_gym.evaluation.policy_eval import mmrv
+
+    gt = [0.1, 0.5, 0.9]
+    assert mmrv([0.0, 0.2, 0.4], gt) == 0.0                      # the same order, whatever the scale
+    # policies 1 and 2 swapped: each of them is mis-ordered by 0.4, policy 0 by nothing
+    assert abs(mmrv([0.1, 0.9, 0.5], gt) - (0 + 0.4 + 0.4) / 3) < 1e-12
+    # everything reversed: 0.8, 0.4 (worst of 0.4 and 0.4), 0.8
+    assert abs(mmrv([0.9, 0.5, 0.1], gt) - (0.8 + 0.4 + 0.8) / 3) < 1e-12

@@ -1,3 +1,5 @@
+import dataclasses
+import math
 import json
 import os
 import subprocess
@@ -141,3 +143,51 @@ def test_release_promotes_a_candidate_with_its_provenance(tiny_stage1, tmp_path)
     again = json.loads((dest / "provenance.json").read_text())["stage1"]
     assert again["promoted_from"] == str(cand) and again["reports"] == new["reports"]
     assert (dest / "stage1.safetensors").read_bytes() == (cand / "stage1.safetensors").read_bytes()
+
+
+def test_part_warp_moves_the_part_rigidly_at_every_resolution():
+    from iws_gym.models.decoder import random_part_warps, warp
+
+    # a disc of radius 0.5 about (0, 0) shifted right by 0.25 (an eighth of the width), not rotated
+    params = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.25, 0.0]])
+    for size in (16, 32, 128):
+        x = torch.zeros(1, 1, size, size)
+        x[0, 0, size // 2, size // 2] = 1.0          # a dot inside the part
+        x[0, 0, 1, 1] = 2.0                          # and one outside it
+        y = warp(x, params)
+        assert y[0, 0, size // 2, size // 2 + size // 8] == 1.0 and y[0, 0, 1, 1] == 2.0
+        assert y.sum() == x.sum()
+    # a rotation by angle a about the centre: a dot at offset (d, 0) lands at d (cos a, sin a)
+    params = torch.tensor([[0.0, 0.0, 0.9, 0.3, 0.0, 0.0]])
+    x = torch.zeros(1, 1, 128, 128)
+    x[0, 0, 64 - 1 : 64 + 1, 64 + 32 - 1 : 64 + 32 + 1] = 1.0   # about offset (0.5, 0) in [-1, 1] units
+    y = warp(x, params)[0, 0]
+    ys, xs = torch.nonzero(y > 0.1, as_tuple=True)
+    cy, cx = (ys.float() + 0.5).mean() / 64 - 1, (xs.float() + 0.5).mean() / 64 - 1
+    assert abs(cx - 0.5 * math.cos(0.3)) < 0.02 and abs(cy - 0.5 * math.sin(0.3)) < 0.02
+    p = random_part_warps(64, generator=torch.Generator().manual_seed(0))
+    assert p.shape == (64, 6) and (p[:, 2] >= 0.2).all() and (p[:, 3].abs() <= 0.3).all()
+
+
+def test_warp_share_trains_frames_and_latents_moved_together(monkeypatch):
+    """With warp_share, the first share of the batch is decoded from its latent moved by a part warp, against
+    the frame moved by the same warp; the rest is left as it was."""
+    from iws_gym.models import decoder as D
+
+    torch.manual_seed(0)
+    cfg = D.Stage1Config(warp_share=0.5, z_noise=0.0)
+    cfg.encoder = dataclasses.replace(cfg.encoder, ch=(16, 32), blocks=(1, 1))
+    cfg.decoder = dataclasses.replace(cfg.decoder, z_ch=32, z_blocks=1, ch=16, z_blocks32=1, trunk_blocks=1, emb_dim=32)
+    m = D.Stage1(cfg)
+    params = torch.tensor([[0.1, -0.2, 0.5, 0.2, 0.1, 0.05], [0.0, 0.0, 0.6, -0.1, -0.1, 0.0]])
+    monkeypatch.setattr(D, "random_part_warps", lambda n, device="cpu", generator=None: params[:n])
+    seen = {}
+    monkeypatch.setattr(D, "decoder_loss", lambda dec, x, z, *a: seen.update(x=x, z=z) or (x.sum(), {}))
+    x = torch.rand(4, 3, 64, 64) * 2 - 1
+    m.loss(x, 0)
+    z = m.encoder(x)
+    torch.testing.assert_close(seen["x"][:2], D.warp(x[:2], params))
+    torch.testing.assert_close(seen["z"][:2], D.warp(z[:2], params))
+    torch.testing.assert_close(seen["x"][2:], x[2:])
+    torch.testing.assert_close(seen["z"][2:], z[2:])
+    assert not torch.allclose(seen["x"][:2], x[:2])

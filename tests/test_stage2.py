@@ -136,6 +136,38 @@ def test_target_variants_share_the_context_exactly():
         torch.testing.assert_close(joint[:, v : v + 1], alone, rtol=1e-4, atol=1e-5)
 
 
+def test_sampler_steps_reuse_the_context_stream_exactly():
+    """predict computes the window's part once (Stage2.context) for every sampler step: the same numbers as
+    running the whole network at each step."""
+    from iws_gym.models import schedule
+    from iws_gym.models.sampler import euler_sample
+
+    m = _randomised(dataclasses.replace(TINY, objective="denoise", sample_steps=3))
+    ctx, act = _inputs()
+    nv = torch.tensor([3, 1])
+    noise = torch.randn(ctx.shape, generator=torch.Generator().manual_seed(2))
+    cached = m.predict(ctx, act, nv, generator=torch.Generator().manual_seed(0), ctx_noise=noise)
+    c = m.cfg
+    ctx_n = m.norm(ctx) + c.ctx_sigma * noise
+    cs = torch.full((2,), c.ctx_sigma)
+    D = lambda x_t, s: m.denoise(x_t[:, None], s[:, None], ctx_n, cs, act, nv)[:, 0]  # noqa: E731  whole network
+    sig = schedule.karras_sigmas(3, c.sigma_min, c.sigma_max).flip(0)
+    y = euler_sample(D, (2, c.latent_ch, c.latent_size, c.latent_size), sig, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cached, ctx[:, -1] + m.unnorm_delta(y), rtol=1e-5, atol=1e-6)
+
+
+def test_dynamics_run_on_a_near_pixel_latent():
+    """A 4x32x32 latent (stage 1's `pixel` preset): the trunk still works on 8x8 tokens (patch 4), the
+    refinement head at the latent's own 32x32, and the output has the latent's shape."""
+    cfg = dataclasses.replace(TINY, latent_ch=4, latent_size=32, patch=4)
+    m = _randomised(cfg)
+    g = torch.Generator().manual_seed(0)
+    ctx, act = torch.rand(2, 3, 4, 32, 32, generator=g) * 2 - 1, torch.rand(2, 3, 2, generator=g) * 512
+    out = _predict(m, ctx, act, torch.tensor([3, 2]))
+    assert out.shape == (2, 4, 32, 32) and torch.isfinite(out).all()
+    assert m.net.inp.stride == (4, 4)
+
+
 def _counting_latents(lengths=(30, 40)):
     """LatentEpisodes whose frame t is filled with the value t (and action t = (t, -t)), for alignment checks."""
     from iws_gym.data.latents import LatentEpisodes

@@ -125,16 +125,20 @@ class Stage1Config:
     ct_weight: float = 0.1         # 1.0 stalled the one-step path at ~18.5 dB for 600 steps; 0.1 tracked a plain AE
     z_noise: float = 0.05          # latent noise in training: the decoder must tolerate imperfect predicted latents
     total_steps: int = 20000       # for the iCT discretisation curriculum
+    # share of each batch trained for transport (`random_part_warps`): a part of the frame moved rigidly, the
+    # latent moved by the same warp must decode to the moved frame, so moving cells moves what they show
+    warp_share: float = 0.0
 
 
 class Stage1(nn.Module):
     """Encoder + consistency decoder trained together; `loss(batch) -> (loss, logs)`."""
 
-    def __init__(self, cfg: Stage1Config):
+    def __init__(self, cfg: Stage1Config, step_offset: int = 0):
         super().__init__()
         self.cfg = cfg
         self.encoder = Encoder(cfg.encoder)
         self.decoder = ConsistencyDecoder(cfg.decoder)
+        self.curriculum_offset = step_offset  # a fine-tune carries the discretisation curriculum on
 
     def forward(self, x: torch.Tensor, step: int):  # DDP hooks run on forward(); the loss is the forward
         return self.loss(x, step)
@@ -143,8 +147,40 @@ class Stage1(nn.Module):
         """x: (B, 3, H, W) frames in [-1, 1]."""
         c = self.cfg
         z = self.encoder(x)
+        n = int(round(c.warp_share * x.shape[0]))
+        if n:  # the first n frames and their latents moved by the same random part warps
+            grid = random_part_warps(n, device=x.device)
+            x = torch.cat([warp(x[:n].float(), grid).to(x.dtype), x[n:]])
+            z = torch.cat([warp(z[:n], grid), z[n:]])
         z = z + c.z_noise * torch.randn_like(z)
-        return decoder_loss(self.decoder, x, z, step, c.total_steps, c.ct_weight, c.dsm_weight)
+        return decoder_loss(self.decoder, x, z, step + self.curriculum_offset, c.total_steps, c.ct_weight, c.dsm_weight)
+
+
+def random_part_warps(n: int, device="cpu", generator=None) -> torch.Tensor:
+    """n random warps that move one part of a frame rigidly and leave the rest: a disc (centre anywhere,
+    radius 0.2-0.7 of the half-width) rotated by up to 0.3 rad and shifted by up to 0.15 of the half-width.
+    (n, 6): centre x, y, radius, angle, shift x, y, in the frame's [-1, 1] coordinates; `warp` applies them
+    at any resolution, so a frame and its latent move by exactly the same motion."""
+    u = torch.rand(n, 6, generator=generator).to(device)
+    return torch.stack([u[:, 0] * 1.6 - 0.8, u[:, 1] * 1.6 - 0.8, 0.2 + 0.5 * u[:, 2], (u[:, 3] * 2 - 1) * 0.3,
+                        (u[:, 4] * 2 - 1) * 0.15, (u[:, 5] * 2 - 1) * 0.15], dim=1)
+
+
+def warp(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Move x (n, C, H, W) by the part warps `params` (n, 6) of `random_part_warps` (bilinear resampling)."""
+    H, W = x.shape[-2:]
+    gy = (torch.arange(H, device=x.device) + 0.5) / H * 2 - 1
+    gx = (torch.arange(W, device=x.device) + 0.5) / W * 2 - 1
+    qy, qx = torch.meshgrid(gy, gx, indexing="ij")
+    q = torch.stack([qx, qy], -1)[None]                                   # (1, H, W, 2) output points
+    p = params.to(x.device, torch.float32)[:, None, None]                 # (n, 1, 1, 6)
+    centre, radius, angle, shift = p[..., 0:2], p[..., 2], p[..., 3], p[..., 4:6]
+    d = q - (centre + shift)                                              # about the moved centre
+    inside = (d.norm(dim=-1) < radius)[..., None]
+    cos, sin = angle.cos(), angle.sin()                                   # rotate back by -angle
+    src = torch.stack([cos * d[..., 0] + sin * d[..., 1], -sin * d[..., 0] + cos * d[..., 1]], -1) + centre
+    grid = torch.where(inside, src, q.expand_as(src))
+    return F.grid_sample(x, grid.to(x.dtype), mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def decoder_loss(decoder: ConsistencyDecoder, x: torch.Tensor, z: torch.Tensor, step: int, total_steps: int,

@@ -88,18 +88,26 @@ class FactorisedConv3d(nn.Module):
         B, T = x.shape[:2]
         return self.spatial(x.flatten(0, 1)).unflatten(0, (B, T))
 
-    def forward(self, ctx, tgt):
-        s_c, s_t = self._spatial(ctx), self._spatial(tgt)              # (B, K, C, H, W), (B, V, C, H, W)
-        B, K, C, H, W = s_c.shape
-        V = s_t.shape[1]
+    def context(self, ctx):
+        """The context stream (B, K, C, H, W) -> (its output, `prev`: the spatial outputs of the last two
+        context frames (B, 2C, H, W), all a target variant needs of the context)."""
+        s_c = self._spatial(ctx)                                       # (B, K, C, H, W)
+        B, K = s_c.shape[:2]
         z = torch.zeros_like(s_c[:, :1])
         past = torch.cat([z, z, s_c], dim=1)                           # (B, K+2, C, H, W)
         taps_c = torch.cat([past[:, :K], past[:, 1 : K + 1], s_c], dim=2)  # (B, K, 3C, H, W)
-        prev = past[:, K:K + 2].flatten(1, 2)[:, None].expand(B, V, 2 * C, H, W)  # frames K-2, K-1
-        taps_t = torch.cat([prev, s_t], dim=2)                         # (B, V, 3C, H, W)
-        out_c = self.temporal(taps_c.flatten(0, 1)).unflatten(0, (B, K))
-        out_t = self.temporal(taps_t.flatten(0, 1)).unflatten(0, (B, V))
-        return out_c, out_t
+        return self.temporal(taps_c.flatten(0, 1)).unflatten(0, (B, K)), past[:, K:K + 2].flatten(1, 2)
+
+    def target(self, tgt, prev):
+        """V target variants (B, V, C, H, W) after a context whose `prev` is given -> (B, V, C, H, W)."""
+        s_t = self._spatial(tgt)
+        B, V = s_t.shape[:2]
+        taps_t = torch.cat([prev[:, None].expand(B, V, *prev.shape[1:]), s_t], dim=2)  # (B, V, 3C, H, W)
+        return self.temporal(taps_t.flatten(0, 1)).unflatten(0, (B, V))
+
+    def forward(self, ctx, tgt):
+        out_c, prev = self.context(ctx)
+        return out_c, self.target(tgt, prev)
 
 
 class SpatialAttention(nn.Module):
@@ -147,23 +155,35 @@ class TemporalAttention(nn.Module):
         w = s.float().masked_fill(mask[..., None], float("-inf")).softmax(dim=2).to(v.dtype)
         return (w[..., None] * v[:, None]).sum(2)                         # (N, Lq, h, d)
 
-    def forward(self, n_c, n_t, key_pad):
-        """n_c (N, K, C) context, n_t (N, V, C) target variants, key_pad (N, K) True = padded slot."""
+    def context(self, n_c, key_pad):
+        """n_c (N, K, C) context, key_pad (N, K) True = padded slot -> (its output (N, K, C), the keys and
+        values a target variant attends to)."""
         N, K, C = n_c.shape
-        V = n_t.shape[1]
         q_c, k_c, v_c = self._split(self.qkv(n_c))
-        q_t, k_t, v_t = self._split(self.qkv(n_t))
         eye = torch.eye(K, dtype=torch.bool, device=n_c.device)
         causal = torch.ones(K, K, dtype=torch.bool, device=n_c.device).triu(1)
         a_c = self._attend(q_c, k_c, v_c, causal | (key_pad[:, None, :] & ~eye))
-        # each target variant: keys = the K context slots + itself
+        return self.proj(a_c.reshape(N, K, C)), (k_c, v_c, key_pad)
+
+    def target(self, n_t, kv):
+        """n_t (N, V, C) target variants; kv from `context` -> (N, V, C). Each variant's keys: the K context
+        slots + itself."""
+        k_c, v_c, key_pad = kv
+        N, V, C = n_t.shape
+        K = k_c.shape[1]
+        q_t, k_t, v_t = self._split(self.qkv(n_t))
         s_tc = (q_t[:, :, None] * k_c[:, None]).sum(-1)                   # (N, V, K, h)
         s_tt = (q_t * k_t).sum(-1)[:, :, None]                            # (N, V, 1, h)
         s = torch.cat([s_tc, s_tt], dim=2).float() * q_t.shape[-1] ** -0.5
         blocked = torch.cat([key_pad, key_pad.new_zeros(N, 1)], dim=1)   # (N, K+1)
         w = s.masked_fill(blocked[:, None, :, None], float("-inf")).softmax(dim=2).to(v_c.dtype)
         a_t = (w[:, :, :K, :, None] * v_c[:, None]).sum(2) + w[:, :, K, :, None] * v_t  # (N, V, h, d)
-        return self.proj(a_c.reshape(N, K, C)), self.proj(a_t.reshape(N, V, C))
+        return self.proj(a_t.reshape(N, V, C))
+
+    def forward(self, n_c, n_t, key_pad):
+        """n_c (N, K, C) context, n_t (N, V, C) target variants, key_pad (N, K) True = padded slot."""
+        a_c, kv = self.context(n_c, key_pad)
+        return a_c, self.target(n_t, kv)
 
 
 class DynBlock(nn.Module):
@@ -191,25 +211,35 @@ class DynBlock(nn.Module):
         s = self.attn_s(s)
         return x + s.reshape(B, T, H, W, C).permute(0, 1, 4, 2, 3)
 
-    def forward(self, ctx, tgt, cond_c, cond_t, pad):
-        """ctx (B, K, C, H, W) context stream; tgt (B, V, C, H, W) target variants; cond_c (B, K, D),
-        cond_t (B, V, D); pad (B, K) bool, True = padded context slot (never attended to)."""
+    def context(self, ctx, cond_c, pad):
+        """The context stream: ctx (B, K, C, H, W), cond_c (B, K, D), pad (B, K) bool (True = padded slot,
+        never attended to) -> (its output, the cache a target variant reads: nothing looks ahead, so the
+        context stream is computed once for every variant and every sampler step)."""
         B, K, C, H, W = ctx.shape
-        V = tgt.shape[1]
-        h_c, h_t = self.conv1(F.silu(self._norm(self.norm1, ctx)), F.silu(self._norm(self.norm1, tgt)))
+        h_c, prev1 = self.conv1.context(F.silu(self._norm(self.norm1, ctx)))
         h_c = F.silu(self._film(self._norm(self.norm2, h_c), cond_c))
-        h_t = F.silu(self._film(self._norm(self.norm2, h_t), cond_t))
-        d_c, d_t = self.conv2(h_c, h_t)
-        ctx, tgt = self._spatial_attn(ctx + d_c), self._spatial_attn(tgt + d_t)
-        # causal temporal attention at each location: context attends to its past, each target variant
-        # to the whole (unpadded) context and itself
+        d_c, prev2 = self.conv2.context(h_c)
+        ctx = self._spatial_attn(ctx + d_c)
+        # causal temporal attention at each location: the context attends to its (unpadded) past
         n_c = self._norm(self.norm_t, ctx).permute(0, 3, 4, 1, 2).reshape(B * H * W, K, C)
-        n_t = self._norm(self.norm_t, tgt).permute(0, 3, 4, 1, 2).reshape(B * H * W, V, C)
         key_pad = pad[:, None, :].expand(B, H * W, K).reshape(B * H * W, K)
-        a_c, a_t = self.attn_t(n_c, n_t, key_pad)
-        ctx = ctx + a_c.reshape(B, H, W, K, C).permute(0, 3, 4, 1, 2)
-        tgt = tgt + a_t.reshape(B, H, W, V, C).permute(0, 3, 4, 1, 2)
-        return ctx, tgt
+        a_c, kv = self.attn_t.context(n_c, key_pad)
+        return ctx + a_c.reshape(B, H, W, K, C).permute(0, 3, 4, 1, 2), (prev1, prev2, kv)
+
+    def target(self, tgt, cond_t, cache):
+        """V target variants tgt (B, V, C, H, W), cond_t (B, V, D), after the context of `cache`."""
+        prev1, prev2, kv = cache
+        B, V, C, H, W = tgt.shape
+        h_t = self.conv1.target(F.silu(self._norm(self.norm1, tgt)), prev1)
+        h_t = F.silu(self._film(self._norm(self.norm2, h_t), cond_t))
+        tgt = self._spatial_attn(tgt + self.conv2.target(h_t, prev2))
+        # ... each variant attends to the whole (unpadded) context and itself
+        n_t = self._norm(self.norm_t, tgt).permute(0, 3, 4, 1, 2).reshape(B * H * W, V, C)
+        return tgt + self.attn_t.target(n_t, kv).reshape(B, H, W, V, C).permute(0, 3, 4, 1, 2)
+
+    def forward(self, ctx, tgt, cond_c, cond_t, pad):
+        ctx, cache = self.context(ctx, cond_c, pad)
+        return ctx, self.target(tgt, cond_t, cache)
 
 
 ACTION_MAP_CH = 5
@@ -331,37 +361,55 @@ class DynamicsNet(nn.Module):
         x = torch.cat([x.to(maps.dtype), maps], dim=2)
         return self.inp(x.flatten(0, 1).to(self.inp.weight.dtype)).unflatten(0, x.shape[:2])
 
-    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise, agent_in=None):
-        """ctx (B, K, C, h, w) preconditioned context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised
-        action leading into each slot (last: into the target); act_valid (B, K+1) bool; pad (B, K) bool; tgt (B, V, C, h, w)
-        preconditioned noisy target variants with tgt_c_noise (B, V); agent_in (B, K+1, 2) normalised agent
+    def context(self, ctx, ctx_c_noise, actions_in, act_valid, pad, agent_in=None) -> dict:
+        """Everything about the window that does not depend on the target: ctx (B, K, C, h, w) preconditioned
+        context; ctx_c_noise (B, K); actions_in (B, K+1, 2) normalised action leading into each slot (last:
+        into the target); act_valid (B, K+1) bool; pad (B, K) bool; agent_in (B, K+1, 2) normalised agent
         position in each slot (last: where the track says it lands; needed with cfg.agent_motion).
-        Returns F (B, V, C, h, w)."""
+        Returns the cache `target` reads, for any number of target variants and sampler steps."""
         B, K = ctx.shape[:2]
-        V = tgt.shape[1]
         dt = self.inp.weight.dtype
         ctx = ctx.masked_fill(pad[:, :, None, None, None], 0.0)  # padded slots carry no content
         a = self.action_emb(actions_in.to(dt))
         slot_c = self.slot_emb(pad.long())                         # 0 context, 1 padding
         cond_c = self.sigma_emb(ctx_c_noise.reshape(-1)).unflatten(0, (B, K)) + a[:, :K] + slot_c + self.pos_emb[:K]
-        cond_t = self.sigma_emb(tgt_c_noise.reshape(-1)).unflatten(0, (B, V)) + a[:, K:] \
-            + self.slot_emb.weight[2] + self.pos_emb[K]
-        cond_c, cond_t = F.silu(cond_c).to(dt), F.silu(cond_t).to(dt)
+        cond_c = F.silu(cond_c).to(dt)
         maps = action_maps(actions_in, act_valid, ctx.shape[-1])                   # (B, K+1, M, h, w)
         slot_real = torch.cat([~pad, pad.new_ones(B, 1)], dim=1)  # (B, K+1): padded slots get no track maps
         if self.cfg.agent_motion:  # + the agent's offset and blob maps
             maps = torch.cat([maps, action_maps(agent_in, slot_real, ctx.shape[-1])[:, :, 2:]], dim=2)
-        h_c, h_t = self._tokens(ctx, maps[:, :K]), self._tokens(tgt, maps[:, K:].expand(B, V, *maps.shape[2:]))
+        h_c = self._tokens(ctx, maps[:, :K])
+        blocks = []
         for blk in self.blocks:
-            h_c, h_t = blk(h_c, h_t, cond_c, cond_t, pad)
-        h = h_t.flatten(0, 1)  # (B*V, ch, h/2, w/2): only the target slot is read out
+            h_c, cache = blk.context(h_c, cond_c, pad)
+            blocks.append(cache)
+        return dict(blocks=blocks, a_t=a[:, K:], maps_t=maps[:, K:], last=ctx[:, -1:])
+
+    def target(self, cache: dict, tgt, tgt_c_noise):
+        """tgt (B, V, C, h, w) preconditioned noisy target variants with tgt_c_noise (B, V), after the window of
+        `cache` (see `context`) -> F (B, V, C, h, w)."""
+        B, V = tgt.shape[:2]
+        K = self.cfg.context
+        dt = self.inp.weight.dtype
+        cond_t = self.sigma_emb(tgt_c_noise.reshape(-1)).unflatten(0, (B, V)) + cache["a_t"] \
+            + self.slot_emb.weight[2] + self.pos_emb[K]
+        cond_t = F.silu(cond_t).to(dt)
+        maps_t = cache["maps_t"].expand(B, V, *cache["maps_t"].shape[2:])
+        h_t = self._tokens(tgt, maps_t)
+        for blk, c in zip(self.blocks, cache["blocks"]):
+            h_t = blk.target(h_t, cond_t, c)
+        h = h_t.flatten(0, 1)  # (B*V, ch, h/p, w/p): only the target slot is read out
         u = F.silu(self.up(F.silu(self.norm_out(h))))  # (B*V, ch/2, h, w)
         out = self.out(u)
         if self.hires is not None:  # full-resolution skip: last context latent, noisy target, action maps
-            last = ctx[:, -1:].expand(B, V, *ctx.shape[2:])
-            x = torch.cat([last.to(dt), tgt.to(dt), maps[:, K:].expand(B, V, *maps.shape[2:]).to(dt)], dim=2)
+            last = cache["last"].expand(B, V, *cache["last"].shape[2:])
+            x = torch.cat([last.to(dt), tgt.to(dt), maps_t.to(dt)], dim=2)
             out = out + self.hires(torch.cat([x.flatten(0, 1), u.to(dt)], dim=1), cond_t.flatten(0, 1))
         return out.float().unflatten(0, (B, V))
+
+    def forward(self, ctx, ctx_c_noise, actions_in, act_valid, pad, tgt, tgt_c_noise, agent_in=None):
+        """The context and V noisy target variants in one call (see `context` and `target`) -> F (B, V, C, h, w)."""
+        return self.target(self.context(ctx, ctx_c_noise, actions_in, act_valid, pad, agent_in), tgt, tgt_c_noise)
 
 
 class Stage2(nn.Module):
@@ -397,24 +445,18 @@ class Stage2(nn.Module):
                              f"{None if agent is None else tuple(agent.shape)}")
         return agent.float()
 
-    def denoise(self, x_t, sigma, ctx, ctx_sigma, actions, n_valid, agent=None):
-        """Consistency function on normalised latents, for V target variants sharing one context.
-
-        x_t (B, V, C, h, w) noisy targets at sigma (B, V); ctx (B, K, C, h, w) normalised context, already
-        noised at ctx_sigma (B,); actions (B, K, 2) raw actions (actions[:, i] taken at context frame i);
-        n_valid (B,) how many of the K context slots are real (the earlier ones are padding); agent (B, K, 2)
-        the agent's position in each context frame (canvas px), for a model with an agent track
-        (cfg.agent_motion): the target slot then gets where agent_landing puts it next.
-        Returns x0_hat (B, V, C, h, w)."""
+    def context(self, ctx, ctx_sigma, actions, n_valid, agent=None) -> dict:
+        """The window's part of the network, computed once for any number of target variants or sampler steps:
+        ctx (B, K, C, h, w) normalised context, already noised at ctx_sigma (B,); actions (B, K, 2) raw actions
+        (actions[:, i] taken at context frame i); n_valid (B,) how many of the K context slots are real (the
+        earlier ones are padding); agent (B, K, 2) the agent's position in each context frame (canvas px), for
+        a model with an agent track (cfg.agent_motion): the target slot then gets where agent_landing puts it."""
         c = self.cfg
         B, K = ctx.shape[:2]
         agent = self._check_agent(agent, actions)
         agent_in = None
         if agent is not None:
             agent_in = torch.cat([agent, self.landing(agent, actions, n_valid)[:, None]], dim=1) / c.action_scale * 2 - 1
-        s = sigma.float()[..., None, None, None]
-        c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)
-        c_out = schedule.c_out(s, c.sigma_data, c.sigma_min)
         ctx_in = ctx * schedule.c_in(ctx_sigma.float(), c.sigma_data)[:, None, None, None, None]
         # the action leading into slot i is the action taken at slot i-1; nothing led into slot 0
         a = actions.float() / c.action_scale * 2 - 1
@@ -424,8 +466,21 @@ class Stage2(nn.Module):
         actions_in = actions_in.masked_fill(~act_valid[..., None], 0.0)
         pad = idx[:, :K] < (K - n_valid)[:, None]
         ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
-        F_x = self.net(ctx_in, ctx_noise, actions_in, act_valid, pad, schedule.c_in(s, c.sigma_data) * x_t,
-                       schedule.c_noise(sigma.float()), agent_in)
+        return self.net.context(ctx_in, ctx_noise, actions_in, act_valid, pad, agent_in)
+
+    def denoise(self, x_t, sigma, ctx=None, ctx_sigma=None, actions=None, n_valid=None, agent=None, cache=None):
+        """Consistency function on normalised latents, for V target variants sharing one context.
+
+        x_t (B, V, C, h, w) noisy targets at sigma (B, V); the window either as (ctx, ctx_sigma, actions,
+        n_valid, agent) (see `context`) or as the `cache` that `context` returned for it.
+        Returns x0_hat (B, V, C, h, w)."""
+        c = self.cfg
+        if cache is None:
+            cache = self.context(ctx, ctx_sigma, actions, n_valid, agent)
+        s = sigma.float()[..., None, None, None]
+        c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)
+        c_out = schedule.c_out(s, c.sigma_data, c.sigma_min)
+        F_x = self.net.target(cache, schedule.c_in(s, c.sigma_data) * x_t, schedule.c_noise(sigma.float()))
         return c_skip * x_t.float() + c_out * F_x
 
     def forward(self, batch, step: int):
@@ -517,7 +572,8 @@ class Stage2(nn.Module):
         if ctx_noise is None:
             ctx_noise = torch.randn(ctx.shape, generator=generator, device=generator.device if generator else ctx.device).to(ctx.device)
         ctx = ctx + level * ctx_noise
-        D = lambda x_t, s: self.denoise(x_t[:, None], s[:, None], ctx, ctx_sigma_t, actions, n_valid, agent)[:, 0]  # noqa: E731
+        cache = self.context(ctx, ctx_sigma_t, actions, n_valid, agent)  # once, for every sampler step
+        D = lambda x_t, s: self.denoise(x_t[:, None], s[:, None], cache=cache)[:, 0]  # noqa: E731
         shape = (B, c.latent_ch, c.latent_size, c.latent_size)
         if sampler == "consistency":
             sig = schedule.sampling_sigmas(steps, c.sigma_max, c.sigma_mid, c.sigma_min)

@@ -4,3 +4,23 @@ behaviour-cloning policies of the evaluation suite."""
 from iws_gym.policies.scripted import (  # noqa: F401
     FramePusher, IdlePolicy, JitteryPusher, LazyPusher, RandomPolicy, bc_step300, bc_step1000, bc_step4000, suite,
 )
+
+
+def load_policy_factory(spec: str):
+    """MODULE:CALLABLE -> a zero-argument factory of policies. CALLABLE is a class, a factory marked
+    `is_factory`, or a policy object / function (then shared by every episode)."""
+    import importlib
+    import inspect
+
+    if ":" not in spec:
+        raise ValueError(f"--policy must be MODULE:CALLABLE, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load policy {spec!r}: {e}") from None
+    if inspect.isclass(obj):
+        return obj
+    if callable(obj) and getattr(obj, "is_factory", False):
+        return obj
+    return lambda: obj  # a plain function/object shared by every episode

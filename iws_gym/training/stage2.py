@@ -107,7 +107,9 @@ class Stage(StageBase):
             self.data.hard = moving_transitions(poses)
         if o.jump_focus > 0:
             self.data.jumps = agent_jumps(self.data.agent)
+        # the trunk works on 8x8 tokens whatever the latent's size; HiResHead refines at the latent's own
         cfg = DynamicsConfig(latent_ch=cfg1.encoder.latent_ch, latent_size=cfg1.encoder.latent_size,
+                             patch=max(1, cfg1.encoder.latent_size // 8),
                              z_mean=self.data.z_mean, z_std=self.data.z_std, dz_std=self.data.dz_std)
         cfg = dataclasses.replace(cfg, **PRESETS[o.preset])
         init_sd, offset = None, 0
