@@ -156,6 +156,23 @@ def test_sampler_steps_reuse_the_context_stream_exactly():
     torch.testing.assert_close(cached, ctx[:, -1] + m.unnorm_delta(y), rtol=1e-5, atol=1e-6)
 
 
+def test_per_frame_context_noise_spans_the_range_and_spares_the_last_frame():
+    """Diffusion-Forcing context noise: each frame but the last at its own level, half of them up to sigma_max;
+    the last frame (the change is denoised relative to it) stays in [0, ctx_sigma_max]."""
+    m = Stage2(dataclasses.replace(TINY, ctx_noise="per_frame", objective="denoise"))
+    torch.manual_seed(0)
+    B, K = 256, TINY.context
+    batch = (torch.rand(B, K, 8, 16, 16), torch.rand(B, K, 2) * 512, torch.rand(B, 8, 16, 16), torch.full((B,), K), None)
+    _, _, sig, *_ = m._window(batch)
+    assert sig.shape == (B, K)
+    assert (sig[:, -1] <= TINY.ctx_sigma_max).all() and (sig[:, :-1] > 1.0).float().mean() > 0.1
+    assert (sig[:, 0] != sig[:, 1]).all()  # each frame its own level
+    loss, logs = m.loss(batch, 0)
+    assert torch.isfinite(loss)
+    _, _, sig, *_ = Stage2(TINY)._window(batch)  # the default: one level for the window, in the small range
+    assert (sig == sig[:, :1]).all() and (sig <= TINY.ctx_sigma_max).all()
+
+
 def test_dynamics_run_on_a_near_pixel_latent():
     """A 4x32x32 latent (stage 1's `pixel` preset): the trunk still works on 8x8 tokens (patch 4), the
     refinement head at the latent's own 32x32, and the output has the latent's shape."""

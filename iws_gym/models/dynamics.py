@@ -28,6 +28,7 @@ model's own imperfect predictions; at inference the context is noised at `ctx_si
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,11 @@ class DynamicsConfig:
     sigma_mid: float = 0.4         # second level of 2-step sampling
     ctx_sigma_max: float = 0.1     # context-noise augmentation range in training
     ctx_sigma: float = 0.02        # context noise at inference
+    # "uniform": every context frame noised at one level in [0, ctx_sigma_max]; "per_frame" (Diffusion Forcing):
+    # each frame but the last at its own level, half of them in that range and half log-uniform up to sigma_max,
+    # so the network learns to restore, or to ignore, a degraded past (the last frame keeps the small range:
+    # the change is denoised relative to it)
+    ctx_noise: str = "uniform"
     z_mean: float = 0.0            # latent normalisation (from the stage-1 encoder over the data)
     z_std: float = 1.0
     dz_std: float = 1.0            # std of z_{t+1} - z_t over the data: the denoised quantity is this change
@@ -65,6 +71,10 @@ class DynamicsConfig:
     # sampled by `sample_steps` Euler steps of the probability-flow ODE: a sample, not a conditional mean)
     objective: str = "consistency"
     sample_steps: int = 1          # default sampler steps per prediction
+    # the denoising objective's noise levels, log-normal (EDM's image defaults; DIAMOND's world model uses
+    # p_mean -0.4 and starts its Euler sampler at sigma_max 5)
+    p_mean: float = -1.2
+    p_std: float = 1.2
     # the agent track (see agent_landing): the fitted motion law of the agent, (c_pt, c_pt-1, c_at, c_at-1,
     # d_pt, d_at); empty: no track, the network sees actions only
     agent_motion: tuple = ()
@@ -447,7 +457,7 @@ class Stage2(nn.Module):
 
     def context(self, ctx, ctx_sigma, actions, n_valid, agent=None) -> dict:
         """The window's part of the network, computed once for any number of target variants or sampler steps:
-        ctx (B, K, C, h, w) normalised context, already noised at ctx_sigma (B,); actions (B, K, 2) raw actions
+        ctx (B, K, C, h, w) normalised context, already noised at ctx_sigma (B,) or per frame (B, K); actions (B, K, 2) raw actions
         (actions[:, i] taken at context frame i); n_valid (B,) how many of the K context slots are real (the
         earlier ones are padding); agent (B, K, 2) the agent's position in each context frame (canvas px), for
         a model with an agent track (cfg.agent_motion): the target slot then gets where agent_landing puts it."""
@@ -457,7 +467,10 @@ class Stage2(nn.Module):
         agent_in = None
         if agent is not None:
             agent_in = torch.cat([agent, self.landing(agent, actions, n_valid)[:, None]], dim=1) / c.action_scale * 2 - 1
-        ctx_in = ctx * schedule.c_in(ctx_sigma.float(), c.sigma_data)[:, None, None, None, None]
+        ctx_sigma = ctx_sigma.float()
+        if ctx_sigma.ndim == 1:
+            ctx_sigma = ctx_sigma[:, None].expand(B, K)
+        ctx_in = ctx * schedule.c_in(ctx_sigma, c.sigma_data)[:, :, None, None, None]
         # the action leading into slot i is the action taken at slot i-1; nothing led into slot 0
         a = actions.float() / c.action_scale * 2 - 1
         actions_in = torch.cat([torch.zeros_like(a[:, :1]), a], dim=1)  # (B, K+1, 2)
@@ -465,7 +478,7 @@ class Stage2(nn.Module):
         act_valid = idx > (K - n_valid)[:, None]                         # (B, K+1): an action led into the slot
         actions_in = actions_in.masked_fill(~act_valid[..., None], 0.0)
         pad = idx[:, :K] < (K - n_valid)[:, None]
-        ctx_noise = schedule.c_noise(ctx_sigma.float().clamp_min(c.sigma_min))[:, None].expand(B, K)
+        ctx_noise = schedule.c_noise(ctx_sigma.clamp_min(c.sigma_min))
         return self.net.context(ctx_in, ctx_noise, actions_in, act_valid, pad, agent_in)
 
     def denoise(self, x_t, sigma, ctx=None, ctx_sigma=None, actions=None, n_valid=None, agent=None, cache=None):
@@ -506,16 +519,26 @@ class Stage2(nn.Module):
         ctx, actions, target, n_valid, agent = batch
         x = self.norm_delta(target - ctx[:, -1])  # the change from the last context frame (most of it is still)
         ctx = self.norm(ctx)
-        ctx_sigma = torch.rand(target.shape[0], device=x.device) * c.ctx_sigma_max
-        return x, ctx + ctx_sigma[:, None, None, None, None] * torch.randn_like(ctx), ctx_sigma, actions, n_valid, agent
+        B, K = ctx.shape[:2]
+        if c.ctx_noise == "uniform":
+            ctx_sigma = torch.rand(B, device=x.device).mul(c.ctx_sigma_max)[:, None].expand(B, K)
+        elif c.ctx_noise == "per_frame":
+            small = torch.rand(B, K, device=x.device) * c.ctx_sigma_max
+            lo, hi = math.log(c.sigma_min), math.log(c.sigma_max)
+            wide = torch.exp(lo + (hi - lo) * torch.rand(B, K, device=x.device))
+            ctx_sigma = torch.where(torch.rand(B, K, device=x.device) < 0.5, small, wide)
+            ctx_sigma[:, -1] = small[:, -1]
+        else:
+            raise ValueError(f"DynamicsConfig.ctx_noise must be 'uniform' or 'per_frame', got {c.ctx_noise!r}")
+        return x, ctx + ctx_sigma[:, :, None, None, None] * torch.randn_like(ctx), ctx_sigma, actions, n_valid, agent
 
-    def denoise_loss(self, batch, p_mean: float = -1.2, p_std: float = 1.2):
+    def denoise_loss(self, batch):
         """EDM's denoising objective (Karras et al. 2022): levels log-normal, each weighted so that the network's
         effective target has unit variance. Its optimum at every level is the posterior mean of the clean change
         given the noisy one, so integrating the probability-flow ODE from noise draws a sample."""
         c = self.cfg
         x, ctx, ctx_sigma, actions, n_valid, agent = self._window(batch)
-        sigma = (torch.randn(x.shape[0], device=x.device) * p_std + p_mean).exp()
+        sigma = (torch.randn(x.shape[0], device=x.device) * c.p_std + c.p_mean).exp()
         x_t = x + sigma[:, None, None, None] * torch.randn_like(x)
         out = self.denoise(x_t[:, None], sigma[:, None], ctx, ctx_sigma, actions, n_valid, agent)[:, 0]
         w = (sigma**2 + c.sigma_data**2) / (sigma * c.sigma_data) ** 2

@@ -44,6 +44,13 @@ class Options:
                                       "default: the release's with --finetune, else consistency")
     sample_steps: int | None = arg(None, "default sampler steps per prediction stored in the config "
                                          "(default: 1 for consistency, 4 for denoise)")
+    ctx_noise: str | None = arg(None, "context-noise augmentation: uniform (one level in [0, 0.1] for the window) | "
+                                      "per_frame (Diffusion Forcing: each frame but the last at its own level, up to "
+                                      "sigma_max); default: the release's with --finetune, else uniform")
+    p_mean: float | None = arg(None, "denoise: mean log noise level of training (default: the config's, EDM's -1.2; "
+                                     "DIAMOND: -0.4)")
+    sigma_max: float | None = arg(None, "the highest noise level: where sampling starts and the consistency jump "
+                                        "comes from (default: the config's, 80; DIAMOND's Euler sampler: 5)")
 
 
 PRESETS = {  # DynamicsConfig changes per --preset
@@ -134,6 +141,16 @@ class Stage(StageBase):
             if steps < 1:
                 raise ValueError(f"--sample-steps must be >= 1, got {steps}")
             cfg = dataclasses.replace(cfg, objective=objective, sample_steps=steps)
+        if o.ctx_noise is not None:
+            if o.ctx_noise not in ("uniform", "per_frame"):
+                raise ValueError(f"--ctx-noise must be 'uniform' or 'per_frame', got {o.ctx_noise!r}")
+            cfg = dataclasses.replace(cfg, ctx_noise=o.ctx_noise)
+        if o.p_mean is not None:
+            cfg = dataclasses.replace(cfg, p_mean=o.p_mean)
+        if o.sigma_max is not None:
+            if not o.sigma_max > cfg.sigma_min:
+                raise ValueError(f"--sigma-max must be above sigma_min {cfg.sigma_min}, got {o.sigma_max}")
+            cfg = dataclasses.replace(cfg, sigma_max=o.sigma_max)
         self.config = cfg
         # a fine-tune carries the discretisation curriculum on from where its release ended
         self.model = Stage2(cfg, total_steps=offset or a.steps, curriculum_offset=offset)
