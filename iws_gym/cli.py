@@ -163,6 +163,12 @@ def cmd_export_lerobot(a):
     _emit(export_lerobot(Path(a.data), Path(a.out), fps=a.fps, max_episodes=a.max_episodes), None)
 
 
+def cmd_export_release(a):
+    from iws_gym.training.release import export_run
+
+    _emit(export_run(Path(a.run), Path(a.out)), None)
+
+
 def cmd_bench(a):
     from iws_gym.evaluation.bench import bench
 
@@ -387,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     et.add_argument("--steps", type=int, default=100)
     et.add_argument("--check-every", type=int, default=10, help="decode and check every this many steps")
     et.add_argument("--split", default="validation", help="held-out split of the episodes (data.splits)")
-    et.add_argument("--margin", type=float, default=8.0,
-                    help="canvas px around the T and the agent whose cells move with them")
+    et.add_argument("--margin", type=float, default=0.75,
+                    help="cells whose centre is within this many cells of the T's or the agent's outline move with it")
     et.add_argument("--once", action="store_true", help="warp the first latent by the whole motion since the start "
                                                         "(one resampling) instead of step after step")
     et.add_argument("--grid", default=None, help="PNG: truth, warped pixels and the warped latent decoded, one row each")
@@ -424,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     xl.add_argument("--fps", type=int, default=10, help="frames per second (gym-pusht steps at 10 Hz)")
     xl.add_argument("--max-episodes", type=int, default=None, help="export only the first N episodes")
     xl.set_defaults(fn=cmd_export_lerobot)
+    xr = xsub.add_parser("release", help="a training run's current weights (the EMA of its last.pt) as a release "
+                                         "file, to evaluate a run before it ends")
+    xr.add_argument("--run", required=True, help="the run directory (--out of `iws train`)")
+    xr.add_argument("--out", required=True, help="directory for STAGE.safetensors (an existing file is not replaced)")
+    xr.set_defaults(fn=cmd_export_release)
 
     b = sub.add_parser("bench", help="speed of the learned env on this device (latency, throughput, FLOPs, RSS)")
     b.add_argument("--checkpoint", default=None)

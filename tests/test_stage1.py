@@ -191,3 +191,16 @@ def test_warp_share_trains_frames_and_latents_moved_together(monkeypatch):
     torch.testing.assert_close(seen["x"][2:], x[2:])
     torch.testing.assert_close(seen["z"][2:], z[2:])
     assert not torch.allclose(seen["x"][:2], x[:2])
+
+
+def test_export_release_writes_a_running_stage_and_keeps_existing_files(tiny_stage1, tmp_path):
+    from iws_gym.models.decoder import Stage1
+
+    out = tmp_path / "mid"
+    rep = json.loads(run_iws("export", "release", "--run", tiny_stage1, "--out", out).stdout)
+    assert rep["stage"] == "stage1" and rep["run_step"] == 12
+    cfg, sd, meta = load_release(out / "stage1.safetensors", "stage1", Stage1Config)
+    assert meta["exported_mid_run"] is True
+    Stage1(cfg).load_state_dict({k: v.float() for k, v in sd.items()})  # a complete, loadable stage
+    proc = run_iws("export", "release", "--run", tiny_stage1, "--out", out, check=False)
+    assert proc.returncode != 0 and "exists" in proc.stderr

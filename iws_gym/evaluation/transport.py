@@ -6,9 +6,10 @@ whether the decoded object is still whole.
 
 From the first frame of a held-out episode, the latent z is warped step after step (open loop, no
 network) by the true motion of that step, on the latent grid, by bilinear resampling:
-* cells the T covers at t+1 (its signed distance below `margin` canvas px) are read from where its
-  rigid motion says they were at t;
-* cells of the agent's disc at t+1 from where the agent was;
+* cells the T covers at t+1 (their centre within `margin` cells of its outline: a cell holds what lies
+  around its centre, and at 16x16 a cell is wider than the T's bar) are read from where its rigid motion
+  says they were at t;
+* cells of the agent's disc at t+1 (the same margin) from where the agent was;
 * cells the T or the agent uncovered are filled from the encoding of the empty table (what was behind
   an object is not in z_t; the fill is an oracle, the same for every latent);
 * all other cells stay.
@@ -49,10 +50,13 @@ def _body(q_x, q_y, pose):
     return dx * r00 + dy * r10, dx * r01 + dy * r11
 
 
-def motion_grid(size: int, block0, block1, agent0, agent1, margin: float = 8.0):
+def motion_grid(size: int, block0, block1, agent0, agent1, margin: float = 0.75):
     """The backward sampling grid of one step's true motion on a size x size grid: (size, size, 2) in
-    grid_sample's [-1, 1] coordinates, and the (size, size) bool mask of cells the objects uncovered."""
+    grid_sample's [-1, 1] coordinates, and the (size, size) bool mask of cells the objects uncovered. A cell
+    moves with an object when its centre is within `margin` cells of the object's outline (a cell holds
+    what lies around its centre: at 16x16 a cell is wider than the T's bar)."""
     c = (np.arange(size) + 0.5) * CANVAS / size
+    margin = margin * CANVAS / size  # cells -> canvas px
     qy, qx = np.meshgrid(c, c, indexing="ij")
     src_x, src_y = qx.copy(), qy.copy()
     lx, ly = _body(qx, qy, block1)
@@ -77,7 +81,7 @@ def _warp(x, grid, uncovered, fill):
 
 @torch.no_grad()
 def transport(task: TaskConfig, checkpoint=None, episodes: int = 8, steps: int = 100, check_every: int = 10,
-              split: str = "validation", margin: float = 8.0, grid: Path | None = None, seed: int = 0,
+              split: str = "validation", margin: float = 0.75, grid: Path | None = None, seed: int = 0,
               once: bool = False) -> dict:
     if steps < 1 or check_every < 1 or episodes < 1:
         raise ValueError(f"--episodes, --steps and --check-every must be >= 1, got {episodes}, {steps}, {check_every}")
@@ -116,7 +120,7 @@ def transport(task: TaskConfig, checkpoint=None, episodes: int = 8, steps: int =
         strips.append(strip)
     out = dict(task=task.name, checkpoint=str(checkpoint or task.checkpoint_path), stage1=f1,
                latent_shape=list(z.shape[1:]), split=split, episodes=episodes, steps=steps, check_every=check_every,
-               margin_canvas_px=margin, residual_max=residual_max,
+               margin_cells=margin, residual_max=residual_max,
                warps="once: the first frame by the whole motion since" if once else "step after step")
     for name, r in rows.items():
         whole = np.array([v["whole"] for v in r], bool)

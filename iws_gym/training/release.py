@@ -139,3 +139,30 @@ def _write_provenance(dest: Path, prov: dict) -> None:
     tmp = dest / ".PROVENANCE.md.tmp"
     tmp.write_text("\n".join(lines))
     tmp.replace(dest / "PROVENANCE.md")
+
+
+def export_run(run: Path, out: Path) -> dict:
+    """A training run's current weights (the EMA in its last.pt) as a release file in `out`, so a run can be
+    evaluated before it ends; the release records the step and that it was exported mid-run."""
+    import torch
+
+    from iws_gym.models.checkpoint import config_from_dict, save_release
+    from iws_gym.models.decoder import Stage1Config
+    from iws_gym.models.dynamics import DynamicsConfig
+
+    ckpt = Path(run) / "last.pt"
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"{ckpt} does not exist: not a training run directory (or no checkpoint saved yet)")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    classes = {"stage1": Stage1Config, "stage2": DynamicsConfig}
+    if state.get("stage") not in classes:
+        raise ValueError(f"{ckpt}: unknown stage {state.get('stage')!r}")
+    dest = Path(out) / f"{state['stage']}.safetensors"
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists: pick another --out (nothing was written)")
+    cfg = config_from_dict(classes[state["stage"]], state["model_config"], str(ckpt))
+    step = int(state["step"]) + int(state.get("curriculum_offset") or 0)
+    save_release(dest, state["ema"], state["stage"], cfg,
+                 dict(step=step, run=str(run), exported_mid_run=True, run_step=int(state["step"]),
+                      wall_s=round(float(state.get("wall_s", 0.0)), 1), commit=git_commit()))
+    return dict(file=str(dest), stage=state["stage"], step=step, run_step=int(state["step"]))
