@@ -98,13 +98,13 @@ def test_train_stage2_and_roll_out(tiny_dataset, tiny_stage1, tmp_path):
     c = s2.cfg
     ctx = torch.randn(1, c.context, c.latent_ch, c.latent_size, c.latent_size, generator=torch.Generator().manual_seed(0))
     act, nv = torch.full((1, c.context, 2), 256.0), torch.tensor([c.context])
-    seen, denoise = {}, s2.denoise
+    seen, context = {}, s2.context
 
-    def spy(x_t, sigma, ctx_in, ctx_sigma, *rest):  # records the context and level the network is given
+    def spy(ctx_in, ctx_sigma, *rest):  # records the context and level the network is given
         seen.setdefault(round(float(ctx_sigma[0]), 6), (ctx_in, ctx_sigma))
-        return denoise(x_t, sigma, ctx_in, ctx_sigma, *rest)
+        return context(ctx_in, ctx_sigma, *rest)
 
-    s2.denoise = spy
+    s2.context = spy
     for s in (0.0, 0.1):
         s2.predict(ctx, act, nv, generator=torch.Generator().manual_seed(1), ctx_sigma=s)
     (ctx0, lvl0), (ctx1, lvl1) = seen[0.0], seen[0.1]
