@@ -133,12 +133,12 @@ class Stage1Config:
 class Stage1(nn.Module):
     """Encoder + consistency decoder trained together; `loss(batch) -> (loss, logs)`."""
 
-    def __init__(self, cfg: Stage1Config, step_offset: int = 0):
+    def __init__(self, cfg: Stage1Config, curriculum_offset: int = 0):
         super().__init__()
         self.cfg = cfg
         self.encoder = Encoder(cfg.encoder)
         self.decoder = ConsistencyDecoder(cfg.decoder)
-        self.curriculum_offset = step_offset  # a fine-tune carries the discretisation curriculum on
+        self.curriculum_offset = curriculum_offset  # a fine-tune carries the discretisation curriculum on
 
     def forward(self, x: torch.Tensor, step: int):  # DDP hooks run on forward(); the loss is the forward
         return self.loss(x, step)

@@ -67,7 +67,7 @@ class Stage(StageBase):
                 raise ValueError(f"--warp-share must be in [0, 1], got {o.warp_share}")
             cfg = dataclasses.replace(cfg, warp_share=o.warp_share)
         self.config = cfg
-        self.model = Stage1(cfg, step_offset=offset)
+        self.model = Stage1(cfg, curriculum_offset=offset)
         if init_sd is not None:
             load_state_checked(self.model, init_sd, f1)
         # a fixed evaluation batch: frames of validation episodes, never in training
