@@ -82,7 +82,7 @@ def cmd_eval_policy(a):
     from iws_gym.evaluation.policy_eval import evaluate_policy
 
     _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device,
-                          video=a.video, video_episodes=a.video_episodes), a.json)
+                          video=a.video, video_episodes=a.video_episodes, stop_untrusted=a.stop_untrusted), a.json)
 
 
 def cmd_eval_stability(a):
@@ -110,7 +110,7 @@ def cmd_eval_correlate(a):
         return _emit(report, a.json)
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
-                    reencode=a.reencode, reencode_every=a.reencode_every), a.json)
+                    reencode=a.reencode, reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
 
 
 def cmd_eval_probe(a):
@@ -125,6 +125,14 @@ def cmd_eval_transport(a):
 
     _emit(transport(_task(a.task), a.checkpoint, episodes=a.episodes, steps=a.steps, check_every=a.check_every,
                     split=a.split, margin=a.margin, grid=Path(a.grid) if a.grid else None, once=a.once), a.json)
+
+
+def cmd_eval_trust(a):
+    from iws_gym.evaluation.trust import trust_report
+
+    _emit(trust_report(_task(a.task), a.checkpoint, episodes=a.episodes, steps=a.steps, split=a.split,
+                       behaviours=a.behaviours, fit_calibration=a.fit, fit_episodes=a.fit_episodes, alpha=a.alpha,
+                       force=a.force, plot_path=Path(a.plot) if a.plot else None, device=a.device), a.json)
 
 
 def cmd_eval_recon(a):
@@ -173,7 +181,7 @@ def cmd_bench(a):
     from iws_gym.evaluation.bench import bench
 
     _emit(bench(a.checkpoint, a.device, a.steps, tuple(a.batch_sizes), a.rollout_steps, a.batch_steps, a.compile,
-                a.precision, a.reencode_every), a.json)
+                a.precision, a.reencode_every, a.trust), a.json)
 
 
 def cmd_release(a):
@@ -325,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     epo.add_argument("--video", default=None, help="write the first episodes side by side as an mp4 (with --ground-truth, "
                                                    "gym-pusht above the learned env)")
     epo.add_argument("--video-episodes", type=int, default=4)
+    epo.add_argument("--stop-untrusted", action="store_true",
+                     help="end a learned episode once its trust falls below 0.5 (it counts as untrusted)")
     epo.set_defaults(fn=cmd_eval_policy)
 
     es = esub.add_parser("stability", help="very long open-loop rollouts: first step where a frame stops being valid")
@@ -371,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--device", default="auto")
     ec.add_argument("--plot", default=None)
     ec.add_argument("--json", default=None)
+    ec.add_argument("--stop-untrusted", action="store_true",
+                    help="end a learned episode once its trust falls below 0.5 (it counts as untrusted)")
     ec.add_argument("--from-json", default=None, metavar="REPORT",
                     help="recompute the suite-level figures of a stored correlate report from its per-episode scores")
     ec.set_defaults(fn=cmd_eval_correlate)
@@ -400,6 +412,25 @@ def build_parser() -> argparse.ArgumentParser:
     et.add_argument("--grid", default=None, help="PNG: truth, warped pixels and the warped latent decoded, one row each")
     et.add_argument("--json", default=None)
     et.set_defaults(fn=cmd_eval_transport)
+
+    etr = esub.add_parser("trust", help="calibration of the env's trust signal against gym-pusht on held-out episodes "
+                                         "(AUROC for lost blocks, Spearman against the coverage gap)")
+    etr.add_argument("--task", default="tpushing", help="task config name")
+    etr.add_argument("--checkpoint", default=None, help="release directory (default: the shipped weights)")
+    etr.add_argument("--episodes", type=int, default=16, help="episodes per behaviour")
+    etr.add_argument("--steps", type=int, default=120)
+    etr.add_argument("--split", default="test", help="held-out split reported on (data.splits)")
+    etr.add_argument("--behaviours", nargs="+", default=["mix", "unseen", "jittery", "random"],
+                     help="held-out behaviours replayed (data.collect.HELDOUT_BEHAVIOURS)")
+    etr.add_argument("--fit", action="store_true", help="first fit the calibration on validation episodes and write "
+                                                         "it to CHECKPOINT/trust.json")
+    etr.add_argument("--fit-episodes", type=int, default=16, help="validation episodes per behaviour for --fit")
+    etr.add_argument("--alpha", type=float, default=0.1, help="--fit: EMA weight of a new step's signal")
+    etr.add_argument("--force", action="store_true", help="--fit may replace an existing trust.json")
+    etr.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    etr.add_argument("--plot", default=None, help="PNG: episode trust against block error and coverage gap, ROC")
+    etr.add_argument("--json", default=None, help="write the report here")
+    etr.set_defaults(fn=cmd_eval_trust)
 
     er = esub.add_parser("recon", help="stage-1 reconstruction quality and speed on held-out frames")
     er.add_argument("--task", default="tpushing")
@@ -447,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="number format of the networks (auto: bf16 where the hardware has it natively, else fp32)")
     _add_reencode_every(b)
+    b.add_argument("--trust", default=True, action=argparse.BooleanOptionalAction,
+                   help="compute the per-step trust signal (the env's default)")
     b.add_argument("--json", default=None)
     b.set_defaults(fn=cmd_bench)
 
@@ -516,7 +549,7 @@ def main(argv=None):
     args = build_parser_with_help().parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # bad input: one line naming the problem
         print(f"iws {args.cmd}: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -163,13 +163,13 @@ def test_per_frame_context_noise_spans_the_range_and_spares_the_last_frame():
     torch.manual_seed(0)
     B, K = 256, TINY.context
     batch = (torch.rand(B, K, 8, 16, 16), torch.rand(B, K, 2) * 512, torch.rand(B, 8, 16, 16), torch.full((B,), K), None)
-    _, _, sig, *_ = m._window(batch)
+    _, _, _, sig, *_ = m._window(batch)
     assert sig.shape == (B, K)
     assert (sig[:, -1] <= TINY.ctx_sigma_max).all() and (sig[:, :-1] > 1.0).float().mean() > 0.1
     assert (sig[:, 0] != sig[:, 1]).all()  # each frame its own level
     loss, logs = m.loss(batch, 0)
     assert torch.isfinite(loss)
-    _, _, sig, *_ = Stage2(TINY)._window(batch)  # the default: one level for the window, in the small range
+    _, _, _, sig, *_ = Stage2(TINY)._window(batch)  # the default: one level for the window, in the small range
     assert (sig == sig[:, :1]).all() and (sig <= TINY.ctx_sigma_max).all()
 
 
@@ -183,6 +183,73 @@ def test_dynamics_run_on_a_near_pixel_latent():
     out = _predict(m, ctx, act, torch.tensor([3, 2]))
     assert out.shape == (2, 4, 32, 32) and torch.isfinite(out).all()
     assert m.net.inp.stride == (4, 4)
+
+
+def test_flow_warp_moves_content_by_whole_cells_and_zero_flow_is_identity():
+    from iws_gym.models.dynamics import flow_warp
+    z = torch.zeros(1, 2, 8, 8)
+    z[0, :, 3, 2] = 1.0
+    assert torch.equal(flow_warp(z, torch.zeros(1, 2, 8, 8)), z)
+    flow = torch.zeros(1, 2, 8, 8)
+    flow[0, 0] = 2.0   # two cells to the right
+    flow[0, 1] = -1.0  # one cell up
+    moved = flow_warp(z, flow)
+    assert moved[0, 0, 2, 4] == pytest.approx(1.0, abs=1e-5) and moved.sum().item() == pytest.approx(2.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("flow", ["dense", "rigid"])
+def test_transport_starts_as_the_plain_design_and_its_flow_learns_a_shift(flow):
+    """With transport, an untrained flow head moves nothing (the prediction is the plain design's); training it
+    on windows whose next latent is the last one shifted by a cell teaches it that shift."""
+    cfg = dataclasses.replace(TINY, transport=True, objective="denoise", latent_ch=4, latent_size=16, patch=2, flow=flow)
+    torch.manual_seed(0)
+    m = Stage2(cfg)
+    g = torch.Generator().manual_seed(0)
+    B, K = 16, cfg.context
+
+    def batch():
+        blob = torch.zeros(B, 4, 16, 16)
+        r, c = torch.randint(4, 12, (2, B), generator=g)
+        for i in range(B):
+            blob[i, :, r[i] - 1:r[i] + 2, c[i] - 1:c[i] + 2] = 1.0
+        ctx = blob[:, None].expand(B, K, 4, 16, 16).clone()
+        return ctx, torch.full((B, K, 2), 256.0), torch.roll(blob, 1, dims=-1), torch.full((B,), K), None
+
+    ctx, act, tgt, nv, _ = batch()
+    plain = Stage2(dataclasses.replace(cfg, transport=False))
+    plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("net.flow.")})
+    noise = torch.zeros_like(ctx)
+    torch.testing.assert_close(m.predict(ctx, act, nv, ctx_noise=noise, generator=torch.Generator().manual_seed(0)),
+                               plain.predict(ctx, act, nv, ctx_noise=noise, generator=torch.Generator().manual_seed(0)))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, logs = m.loss(batch(), 0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert logs["flow_mse"] < 0.3 * m.norm_delta(tgt - ctx[:, -1]).pow(2).mean().item()
+    cache = m.context(m.norm(ctx), torch.zeros(B), act, nv)
+    on_blob = ctx[:, -1, 0] > 0.5
+    assert cache["flow"][:, 0][on_blob].mean() > 0.5  # content moves right
+
+
+def test_rigid_flow_turns_a_slot_about_its_centroid():
+    """One slot covering everything, turned by 90 degrees: each cell's source is its position turned back about
+    the centre; with the background mask at 1 nothing moves."""
+    from iws_gym.models.dynamics import rigid_flow
+
+    H = 8
+    motion = lambda f: torch.tensor([[[np.pi / 2, 0.0, 0.0]]]).expand(f.shape[0], f.shape[1], 3)  # noqa: E731
+    motion.parameters = lambda: iter([torch.zeros(1)])
+    masks = torch.zeros(1, 2, H, H)
+    masks[:, 0] = 1.0
+    flow = rigid_flow(masks, torch.zeros(1, 3, H, H), motion)
+    q = torch.tensor([6.5, 4.5])   # a cell right of the centre (4, 4)...
+    src = q - flow[0, :, 4, 6]      # ... came from below or above it, 2.5 cells away
+    assert torch.allclose((src - 4.0).abs().sort().values, torch.tensor([0.5, 2.5]), atol=1e-5)
+    masks = torch.zeros(1, 2, H, H)
+    masks[:, 1] = 1.0
+    assert rigid_flow(masks, torch.zeros(1, 3, H, H), motion).abs().max() < 1e-6
 
 
 def _counting_latents(lengths=(30, 40)):

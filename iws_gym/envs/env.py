@@ -28,6 +28,12 @@ rendered by gym-pusht's own renderer so one policy can start identically in both
 ## Action chunks
 `env.unwrapped.step_chunk(actions (k, 2))` runs k steps in one call (identical to k `step` calls).
 
+## Trust
+`info["trust"]` (this step) and `info["trust_min"]` (the episode so far): 1 = the world model's frame
+survives its own decode-encode round trip, 0 = it does not (a fading or split object, a phantom agent).
+Calibrated per release against gym-pusht (`iws eval trust`); an episode whose `trust_min` falls below
+0.5 is untrusted.
+
 ## Episode end
 `terminated = is_success = coverage > 0.95`; truncation by TimeLimit (300 steps via gym.make).
 
@@ -41,7 +47,9 @@ decoded observation is encoded back into the context window; see WorldModel.step
 (default None: the world model's, every step; K: every K-th step's observation goes
 back, the steps between keep the predicted latent), `compile` (default
 False: torch.compile the dynamics network for faster steps after a one-off compile; see
-WorldModel.compile).
+WorldModel.compile), `trust` (default True: `info["trust"]`, how far to trust this step, in [0, 1], and
+`info["trust_min"]`, its minimum over the episode; see models/trust.py and docs/evaluation.md; False
+reports 1.0 and skips the extra encode that re-encoding every K-th step would otherwise need).
 
 ## Version history
 - v0: first release.
@@ -87,7 +95,7 @@ def check_frame(frame, size: int) -> np.ndarray:
 
 def setup_world(env, obs_type, observation_width, observation_height, checkpoint, device, scorer, task,
                 world_model, decoder_steps, dynamics_steps, reencode=None, compile=False, precision="auto",
-                reencode_every=None):
+                reencode_every=None, trust=None):
     """What the single and the vector env share: task, world model, scorer, single-env spaces. The
     rollout options become one frozen RolloutSettings (None: the default)."""
     from iws_gym.models.world_model import RolloutSettings, WorldModel
@@ -98,7 +106,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
         raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
     env.task = load_task(task)
     given = dict(decoder_steps=decoder_steps, dynamics_steps=dynamics_steps,
-                 reencode=None if reencode is None else bool(reencode), reencode_every=reencode_every)
+                 reencode=None if reencode is None else bool(reencode), reencode_every=reencode_every,
+                 trust=None if trust is None else bool(trust))
     changes = {k: v for k, v in given.items() if v is not None}
     if world_model is not None:
         env.wm = world_model.with_settings(**changes) if changes else world_model
@@ -128,6 +137,12 @@ def track_or(state: dict, i: int, fallback) -> np.ndarray:
     """Where the world model's agent track has env i's agent (a tracking model), else `fallback`: the
     agent_pos reported when the frame does not show the agent."""
     return state["agent"][i].cpu().numpy().astype(np.float64) if "agent" in state else fallback
+
+
+def trust_info(state: dict, i: int) -> dict:
+    """Env i's trust in this step (in [0, 1], higher is better) and its minimum over the episode so far (see
+    models/trust.py; 1.0 at reset, and throughout when the env was made with trust=False)."""
+    return {"trust": float(state["trust"][i]), "trust_min": float(state["trust_min"][i])}
 
 
 def start_frame(options: dict, size: int, gt_env, np_random, task) -> tuple[np.ndarray, np.ndarray]:
@@ -162,13 +177,13 @@ class WorldSimEnv(gym.Env):
                  device: str = "auto", scorer=None, decoder_steps: int | None = None,
                  dynamics_steps: int | None = None, task: str = "tpushing", world_model=None,
                  reencode: bool | None = None, compile: bool = False, precision: str = "auto",
-                 reencode_every: int | None = None):
+                 reencode_every: int | None = None, trust: bool | None = None):
         if render_mode not in (None, "rgb_array", "human"):
             raise ValueError(f"render_mode must be None, 'rgb_array' or 'human', got {render_mode!r}")
         self.render_mode = render_mode
         self.action_space, self.observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every)
+            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every, trust)
         self._state, self._frame, self._agent = None, None, None
         self._gen = torch.Generator()
         self._window = self._clock = None
@@ -195,7 +210,7 @@ class WorldSimEnv(gym.Env):
         self._frame, self._agent = frame, agent
         self._state = self.wm.start_frames(frame[None], agent[None] if self.wm.tracks_agent else None)
         score = self.scorer(frame[None])[0]
-        info = {"is_success": False, **score.info}
+        info = {"is_success": False, **score.info, **trust_info(self._state, 0)}
         if self.render_mode == "human":
             self.render()
         return self._obs(), info
@@ -207,7 +222,7 @@ class WorldSimEnv(gym.Env):
         self._frame = self.wm.step(self._state, torch.from_numpy(a)[None], generator=self._gen)[0]
         self._agent = read_agent(self._frame, track_or(self._state, 0, self._agent))
         score = self.scorer(self._frame[None])[0]
-        info = {"is_success": score.is_success, **score.info}
+        info = {"is_success": score.is_success, **score.info, **trust_info(self._state, 0)}
         if self.render_mode == "human":
             self.render()
         return self._obs(), score.reward, score.is_success, False, info

@@ -17,7 +17,7 @@ import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
-from iws_gym.envs.env import check_action, read_agent, resize_obs, setup_world, start_frame, track_or
+from iws_gym.envs.env import check_action, read_agent, resize_obs, setup_world, start_frame, track_or, trust_info
 from iws_gym.tasks.pusht.groundtruth import make_env
 
 
@@ -28,14 +28,14 @@ class WorldSimVectorEnv(VectorEnv):
                  observation_width: int = 128, observation_height: int = 128, checkpoint=None, device: str = "auto",
                  scorer=None, task: str = "tpushing", max_episode_steps: int | None = 300,
                  autoreset_mode=AutoresetMode.NEXT_STEP, world_model=None, decoder_steps=None, dynamics_steps=None,
-                 reencode=None, compile=False, precision="auto", reencode_every=None):
+                 reencode=None, compile=False, precision="auto", reencode_every=None, trust=None):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"the vector env renders 'rgb_array' only, got {render_mode!r}")
         self.single_action_space, self.single_observation_space = setup_world(
             self, obs_type, observation_width, observation_height, checkpoint, device, scorer, task, world_model,
-            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every)
+            decoder_steps, dynamics_steps, reencode, compile, precision, reencode_every, trust)
         self.num_envs, self.render_mode = num_envs, render_mode
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.metadata = {**self.metadata, "autoreset_mode": self.autoreset_mode}
@@ -97,7 +97,7 @@ class WorldSimVectorEnv(VectorEnv):
         scores = self.scorer(self._frames)
         infos = {}
         for i in range(self.num_envs):
-            infos = self._add_info(infos, {"is_success": False, **scores[i].info}, i)
+            infos = self._add_info(infos, {"is_success": False, **scores[i].info, **trust_info(self._state, i)}, i)
         return self._obs(), infos
 
     def step(self, actions):
@@ -125,7 +125,8 @@ class WorldSimVectorEnv(VectorEnv):
         truncated &= ~terminated
         infos = {}
         for i in range(self.num_envs):
-            infos = self._add_info(infos, {"is_success": bool(terminated[i]), **scores[i].info}, i)
+            infos = self._add_info(infos, {"is_success": bool(terminated[i]), **scores[i].info,
+                                           **trust_info(self._state, i)}, i)
         done = np.flatnonzero(terminated | truncated)
         obs = self._obs()
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:

@@ -62,8 +62,8 @@ def gym_pusht_throughput(steps: int) -> float:
 
 def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(1, 8, 32, 64),
           rollout_steps: int = 9000, batch_steps: int = 20, compile: bool = False, precision: str = "auto",
-          reencode_every: int | None = None) -> dict:
-    """compile: torch.compile the dynamics (WorldModel.compile). FLOPs are counted on the eager model
+          reencode_every: int | None = None, trust: bool = True) -> dict:
+    """trust: compute the per-step trust signal (the env's default; models/trust.py). compile: torch.compile the dynamics (WorldModel.compile). FLOPs are counted on the eager model
     first; the compile itself happens in the warm-up steps and is reported as compile_s."""
     import gymnasium as gym
     from tqdm import tqdm
@@ -73,7 +73,7 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
     from iws_gym.models.hardware import cpu_info, dtype_name
 
     env = gym.make("IWS-TPushing-v0", checkpoint=checkpoint, device=device, max_episode_steps=10**9,
-                   precision=precision, reencode_every=reencode_every).unwrapped
+                   precision=precision, reencode_every=reencode_every, trust=trust).unwrapped
     dev = env.wm.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
@@ -103,7 +103,7 @@ def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(
                   cpu_model=cpu["model"], cpu_bf16_flags=cpu["bf16_flags"], precision=dtype_name(env.wm.dtype),
                   threads=torch.get_num_threads(), checkpoint=str(env.wm.path),
                   decoder_steps=env.wm.settings.decoder_steps, dynamics_steps=env.wm.settings.dynamics_steps,
-                  compile=compile, compile_s=compile_s, reencode=env.wm.settings.reencode,
+                  compile=compile, compile_s=compile_s, reencode=env.wm.settings.reencode, trust=env.wm.settings.trust,
                   reencode_every=env.wm.settings.reencode_every if env.wm.settings.reencode else None,
                   single_env=dict(step_ms_p50=float(np.median(lat)), step_ms_p95=float(np.percentile(lat, 95)),
                                   step_ms_mean=float(lat.mean()),

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from iws_gym.data.splits import SPLITS
+from iws_gym.models.trust import TRUSTED
 from iws_gym.policies import load_policy_factory  # noqa: F401 (part of this module's API)
 from iws_gym.tasks.pusht.groundtruth import make_env
 from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
@@ -65,12 +66,15 @@ def _precision(device: str) -> str:
 
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
-                best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None):
+                best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None,
+                trust_min: list | None = None, stop_untrusted: bool = False):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
     episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
     to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
     the first batch's episodes are appended to it, one (n, H, W, 3) array per step (an episode that has
-    ended repeats its last frame)."""
+    ended repeats its last frame). If `trust_min` is a list, each episode's lowest trust (models/trust.py)
+    is appended to it; with `stop_untrusted` an episode ends as soon as it falls below trust.TRUSTED (its
+    score is the max coverage so far, and it counts as untrusted)."""
     import gymnasium as gym
 
     import iws_gym  # noqa: F401
@@ -86,6 +90,7 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
         runners = [_Runner(factory, seed + i) for i in idx]
         best = np.array(info["coverage"], dtype=float)
+        tmin = np.array(info["trust_min"], dtype=float)
         keep = best_frames is not None
         at_best = obs["pixels"].copy() if keep else None
         rec = record is not None and b0 == 0
@@ -102,10 +107,15 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
             if rec:
                 record.append(np.where(done[:, None, None, None], record[-1], obs["pixels"]))
             best = np.where(better, info["coverage"], best)
+            tmin = np.where(done, tmin, np.minimum(tmin, info["trust_min"]))
             done |= term
+            if stop_untrusted:
+                done |= tmin < TRUSTED
             if done.all():
                 break
         scores[idx] = best
+        if trust_min is not None:
+            trust_min.extend(tmin.tolist())
         if keep:
             best_frames.extend(at_best)
         envs.close()
@@ -169,10 +179,27 @@ def _summary(scores: np.ndarray) -> dict:
                 episodes=n)
 
 
+def trust_summary(tmin, learned, gt=None) -> dict:
+    """Per policy: the share of trusted episodes (lowest trust >= trust.TRUSTED) and the scores over them
+    (and, with ground-truth scores, the gap over all episodes and over the trusted ones)."""
+    tmin, learned = np.asarray(tmin, float), np.asarray(learned, float)
+    ok = tmin >= TRUSTED
+    out = dict(threshold=TRUSTED, trusted_share=float(ok.mean()), trusted_episodes=int(ok.sum()),
+               trust_min=tmin.tolist(), learned_trusted=_summary(learned[ok]) if ok.any() else None)
+    if gt is not None:
+        gt = np.asarray(gt, float)
+        out.update(gap_all=float(learned.mean() - gt.mean()),
+                   gap_trusted=float(learned[ok].mean() - gt[ok].mean()) if ok.any() else None,
+                   ground_truth_trusted=_summary(gt[ok]) if ok.any() else None)
+    return out
+
+
 def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, seed: int = 0, ground_truth: bool = False,
-                    checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4) -> dict:
+                    checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4,
+                    stop_untrusted: bool = False) -> dict:
     """With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
-    --ground-truth, gym-pusht's frames above the learned env's, from the same starts)."""
+    --ground-truth, gym-pusht's frames above the learned env's, from the same starts). With
+    `stop_untrusted`, a learned episode ends when its trust falls below trust.TRUSTED (see run_learned)."""
     if episodes <= 0 or horizon <= 0:
         raise ValueError(f"--episodes and --horizon must be > 0, got {episodes} and {horizon}")
     if video is not None and video_episodes <= 0:
@@ -181,8 +208,11 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
     states = start_states(task, episodes, seed)
     k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
     rec_l = [] if video is not None else None
-    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l)
+    tmin: list = []
+    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l, trust_min=tmin,
+                               stop_untrusted=stop_untrusted)
     report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed, precision=_precision(device),
+                  stop_untrusted=stop_untrusted,
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
                   learned=dict(**_summary(learned), seconds_per_episode=t_l, scores=learned.tolist()))
     rec_g = [] if video is not None and ground_truth else None
@@ -190,6 +220,7 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
         gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec_g, record_episodes=k)
         report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
         report["gap"] = dict(**paired_gap(learned, gt), mean_abs=float(np.abs(learned - gt).mean()))
+    report["trust"] = trust_summary(tmin, learned, gt if ground_truth else None)
     if video is not None:
         from iws_gym.evaluation.demo import write_video
 
@@ -357,14 +388,18 @@ def reanalyse(path) -> dict:
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a correlate report with per-episode scores: missing or bad {e}") from None
     report["overall"] = suite_figures(per)
+    if all("trust" in p for p in per.values()):
+        report["overall"]["trust"] = suite_trust(per)
     report["reanalysed_from"] = str(path)
     return report
 
 
 def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
-               reencode: bool = True, reencode_every: int | None = None, threads: int | None = None):
+               reencode: bool = True, reencode_every: int | None = None, stop_untrusted: bool = False,
+               threads: int | None = None):
     """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
-    can run it). Returns (scores, seconds per episode)."""
+    can run it). Returns (scores, seconds per episode, the scores read another way, and for the learned
+    world each episode's lowest trust)."""
     import torch
 
     from iws_gym.policies.scripted import suite
@@ -374,20 +409,46 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
         torch.set_num_threads(threads)
     task, factory = load_task(task_name), suite()[name]
     if world == "learned":
-        frames: list = []
+        frames, tmin = [], []
         scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames,
-                                  reencode_every=reencode_every)
+                                  reencode_every=reencode_every, trust_min=tmin, stop_untrusted=stop_untrusted)
         # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
         scorer = TPushCoverageScorer(method="pose")
         pose = np.array([scorer.coverage(f) for f in frames])
-        return scores, sec, pose
+        return scores, sec, pose, np.array(tmin)
     pixels: list = []  # the same episodes read by the learned env's pixel scorer
-    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels))
+    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
+
+
+def suite_trust(per: dict) -> dict:
+    """The study over trusted episodes only: per policy the mean score over its trusted episodes in both
+    worlds, and across policies the mean |gap| over all episodes against over trusted ones, and the share kept."""
+    all_gaps, trusted_gaps, ep_gaps, ep_ok = [], [], [], []
+    for p in per.values():
+        t = p["trust"]
+        all_gaps.append(abs(t["gap_all"]))
+        if t["gap_trusted"] is not None:
+            trusted_gaps.append(abs(t["gap_trusted"]))
+        ep_gaps.append(np.abs(np.asarray(p["scores_learned"]) - np.asarray(p["scores_ground_truth"])))
+        ep_ok.append(np.asarray(t["trust_min"]) >= TRUSTED)
+    m_all = float(np.mean(all_gaps))
+    m_tr = float(np.mean(trusted_gaps)) if trusted_gaps else None
+    ep_gaps, ep_ok = np.concatenate(ep_gaps), np.concatenate(ep_ok)
+    e_all = float(ep_gaps.mean())
+    e_tr = float(ep_gaps[ep_ok].mean()) if ep_ok.any() else None
+    return dict(threshold=TRUSTED, kept_share=float(ep_ok.mean()), policies_with_trusted_episodes=len(trusted_gaps),
+                # the study's figure: per policy |mean learned - mean gym-pusht| over its (trusted) episodes
+                mean_abs_gap_all=m_all, mean_abs_gap_trusted=m_tr,
+                reduction=(1 - m_tr / m_all) if m_tr is not None and m_all > 0 else None,
+                # per episode |learned - gym-pusht|, over all episodes and over the trusted ones
+                episode_mean_abs_gap_all=e_all, episode_mean_abs_gap_trusted=e_tr,
+                episode_mean_abs_gap_untrusted=float(ep_gaps[~ep_ok].mean()) if (~ep_ok).any() else None,
+                episode_reduction=(1 - e_tr / e_all) if e_tr is not None and e_all > 0 else None)
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
               device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True,
-              reencode_every: int | None = None) -> dict:
+              reencode_every: int | None = None, stop_untrusted: bool = False) -> dict:
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
@@ -413,7 +474,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         policies = {k: v for k, v in policies.items() if k in names}
     states = start_states(task, episodes, seed)
     t0 = time.time()
-    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every)
+    args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every, stop_untrusted)
     jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
     if workers == 1:
         res = {j: _suite_run(task.name, *j, *args) for j in tqdm(jobs, desc="policy suite (policy x world)")}
@@ -426,7 +487,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
             res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
     per = {}
     for name in policies:  # the suite's order, whatever finished first
-        (learned, t_l, pose), (gt, t_g, gt_px) = res[(name, "learned")], res[(name, "ground_truth")]
+        (learned, t_l, pose, tmin), (gt, t_g, gt_px, _) = res[(name, "learned")], res[(name, "ground_truth")]
         pg = paired_gap(learned, gt)
         sg, dg = paired_gap(gt_px, gt), paired_gap(learned, gt_px)
         per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=pg["mean"], gap_stderr=pg["stderr"],
@@ -436,9 +497,12 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                          # gap = scorer part (gym-pusht's frames read by the pixel scorer - true coverage)
                          #     + dynamics part (learned - gym-pusht's frames read by the same scorer)
                          scorer_gap=sg["mean"], scorer_gap_stderr=sg["stderr"],
-                         dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"])
+                         dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"],
+                         trust=trust_summary(tmin, learned, gt))
     overall = suite_figures(per)
+    overall["trust"] = suite_trust(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
+                  stop_untrusted=stop_untrusted,
                   reencode_every=reencode_every if reencode else None, precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),
                   score="max coverage over the episode (Push-T); success = max coverage > 0.95",

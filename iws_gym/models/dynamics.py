@@ -18,7 +18,10 @@ attention; training samples the history length uniformly in [1, K] so every case
 
 What is denoised is the change z_{t+1} - z_t from the last context latent (normalised by its std over
 the data), not z_{t+1} itself: most of a frame does not move, so a static scene costs nothing and the
-network spends its capacity on what changes.
+network spends its capacity on what changes. With `transport` the base is not z_t itself but z_t moved by
+a displacement field the network predicts from the window and the action (`FlowHead`, `flow_warp`):
+content is carried cell by cell, and what is denoised is only the residual that moving cannot explain.
+The flow is trained by how well the moved latent matches z_{t+1}; nothing in it knows what an object is.
 
 Objective (`Stage2.loss`): the same family as stage 1 - improved consistency training between adjacent
 noise levels with a stop-gradient target, a denoising regulariser at the same level and the
@@ -75,6 +78,14 @@ class DynamicsConfig:
     # p_mean -0.4 and starts its Euler sampler at sigma_max 5)
     p_mean: float = -1.2
     p_std: float = 1.2
+    # transport: the base of the change is the last latent moved by a predicted flow (FlowHead); flow_weight
+    # scales the flow's own loss (the moved latent against the next one)
+    transport: bool = False
+    flow_weight: float = 1.0
+    # the flow's form: "dense" (a displacement per cell) or "rigid" (piecewise rigid: flow_slots soft masks,
+    # each moved by its own rotation and translation, plus a still background; SE3-Nets' prior in 2D)
+    flow: str = "dense"
+    flow_slots: int = 4
     # the agent track (see agent_landing): the fitted motion law of the agent, (c_pt, c_pt-1, c_at, c_at-1,
     # d_pt, d_at); empty: no track, the network sees actions only
     agent_motion: tuple = ()
@@ -345,6 +356,79 @@ class HiResHead(nn.Module):
         return self.out(F.silu(self.norm(h)))
 
 
+def flow_warp(z: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
+    """Move z (B, C, h, w) by a displacement field flow (B, 2, h, w) of (x, y) in cells: the output at cell q
+    is z at q - flow(q) (bilinear; the border repeats). Zero flow returns z exactly."""
+    B, _, H, W = z.shape
+    gy = (torch.arange(H, device=z.device, dtype=torch.float32) + 0.5) / H * 2 - 1
+    gx = (torch.arange(W, device=z.device, dtype=torch.float32) + 0.5) / W * 2 - 1
+    qy, qx = torch.meshgrid(gy, gx, indexing="ij")
+    f = flow.float()
+    src = torch.stack([qx - f[:, 0] * (2 / W), qy - f[:, 1] * (2 / H)], dim=-1)   # (B, H, W, 2)
+    return F.grid_sample(z.float(), src, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+class FlowHead(nn.Module):
+    """Where the content of the last context latent goes next: a displacement field (B, 2, h, w) in cells at
+    the latent's own resolution, from the last two context latents, the trunk's features of the last context
+    frame (upsampled: they have seen the whole window through attention), the target slot's action maps and
+    its action (FiLM). Its last convolution starts at zero: an untrained head moves nothing."""
+
+    def __init__(self, cfg: "DynamicsConfig", blocks: int = 2):
+        super().__init__()
+        c = cfg.hires_ch or 64
+        self.up = nn.ConvTranspose2d(cfg.ch, cfg.ch // 2, cfg.patch, stride=cfg.patch)
+        self.inp = nn.Conv2d(2 * cfg.latent_ch + n_maps(cfg) + cfg.ch // 2, c, 3, padding=1)
+        self.blocks = nn.ModuleList([ResBlock(c, cfg.emb_dim) for _ in range(blocks)])
+        self.norm = group_norm(c)
+        self.rigid = cfg.flow == "rigid"
+        if cfg.flow not in ("dense", "rigid"):
+            raise ValueError(f"DynamicsConfig.flow must be 'dense' or 'rigid', got {cfg.flow!r}")
+        if self.rigid:  # masks over slots + background, and each slot's motion from its mask-pooled features
+            self.masks = nn.Conv2d(c, cfg.flow_slots + 1, 3, padding=1)
+            self.motion = nn.Sequential(nn.Linear(c, c), nn.SiLU(), nn.Linear(c, 3))  # angle, tx, ty (cells)
+            self.out = self.motion[-1]
+        else:
+            self.out = nn.Conv2d(c, 2, 3, padding=1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, last, prev, maps_t, feats, cond):
+        """last, prev (B, C, h, w) the last two context latents (prev zero if padded); maps_t (B, M, h, w);
+        feats (B, ch, h/p, w/p) the trunk's last context frame; cond (B, D) -> flow (B, 2, h, w), float32."""
+        dt = self.inp.weight.dtype
+        u = F.silu(self.up(feats.to(dt)))
+        h = self.inp(torch.cat([last.to(dt), prev.to(dt), maps_t.to(dt), u], dim=1))
+        for blk in self.blocks:
+            h = blk(h, cond)
+        h = F.silu(self.norm(h))
+        if not self.rigid:
+            return self.out(h).float()
+        return rigid_flow(self.masks(h).float().softmax(dim=1), h.float(), self.motion)
+
+
+def rigid_flow(masks: torch.Tensor, feats: torch.Tensor, motion: nn.Module) -> torch.Tensor:
+    """A piecewise-rigid flow: masks (B, S+1, h, w) softmax over S slots and a still background (last), where
+    each cell is at t+1; feats (B, c, h, w). Each slot's motion (angle, translation in cells) comes from its
+    mask-pooled features; it turns about the slot's centroid. A cell's source is the mask-weighted mix of
+    where each slot's motion says it came from -> flow (B, 2, h, w) = cell - source (see flow_warp)."""
+    B, S1, H, W = masks.shape
+    m = masks[:, :-1]                                                          # (B, S, h, w)
+    area = m.sum((2, 3)).clamp_min(1e-3)                                      # (B, S)
+    pooled = torch.einsum("bshw,bchw->bsc", m, feats) / area[..., None]      # (B, S, c)
+    p = motion(pooled.to(next(motion.parameters()).dtype)).float()           # (B, S, 3)
+    ang, t = p[..., 0], p[..., 1:]
+    gy, gx = torch.meshgrid(torch.arange(H, device=m.device, dtype=torch.float32) + 0.5,
+                            torch.arange(W, device=m.device, dtype=torch.float32) + 0.5, indexing="ij")
+    q = torch.stack([gx, gy])                                                  # (2, h, w) cell centres
+    c = torch.einsum("bshw,ihw->bsi", m, q) / area[..., None]               # (B, S, 2) centroids
+    d = q[None, None] - (c + t)[..., None, None]                             # (B, S, 2, h, w) about the moved centroid
+    cos, sin = ang.cos()[..., None, None], ang.sin()[..., None, None]
+    src = torch.stack([cos * d[:, :, 0] + sin * d[:, :, 1], -sin * d[:, :, 0] + cos * d[:, :, 1]], 2) + c[..., None, None]
+    src = (m[:, :, None] * src).sum(1) + masks[:, -1:] * q[None]              # (B, 2, h, w)
+    return q[None] - src
+
+
 class DynamicsNet(nn.Module):
     """The network: context window + V noisy target variants -> F for each variant. Knows nothing about
     noise schedules."""
@@ -366,6 +450,7 @@ class DynamicsNet(nn.Module):
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
         self.hires = HiResHead(cfg) if cfg.hires_ch > 0 else None
+        self.flow = FlowHead(cfg) if cfg.transport else None
 
     def _tokens(self, x, maps):  # (B, T, C, h, w) latents + (B, T, M, h, w) maps -> (B, T, ch, h/2, w/2)
         x = torch.cat([x.to(maps.dtype), maps], dim=2)
@@ -393,7 +478,11 @@ class DynamicsNet(nn.Module):
         for blk in self.blocks:
             h_c, cache = blk.context(h_c, cond_c, pad)
             blocks.append(cache)
-        return dict(blocks=blocks, a_t=a[:, K:], maps_t=maps[:, K:], last=ctx[:, -1:])
+        out = dict(blocks=blocks, a_t=a[:, K:], maps_t=maps[:, K:], last=ctx[:, -1:])
+        if self.flow is not None:  # where the last latent's content goes (Stage2.transport_base applies it)
+            prev = ctx[:, -2] if K > 1 else torch.zeros_like(ctx[:, -1])
+            out["flow"] = self.flow(ctx[:, -1], prev, maps[:, K], h_c[:, -1], F.silu(a[:, K]).to(dt))
+        return out
 
     def target(self, cache: dict, tgt, tgt_c_noise):
         """tgt (B, V, C, h, w) preconditioned noisy target variants with tgt_c_noise (B, V), after the window of
@@ -514,37 +603,61 @@ class Stage2(nn.Module):
         return self.consistency_loss(batch, step)
 
     def _window(self, batch):
-        """The normalised change to denoise and the context noised at a random level in [0, ctx_sigma_max]."""
+        """The raw target and last context latent, and the normalised context noised at random levels (see ctx_noise)."""
         c = self.cfg
         ctx, actions, target, n_valid, agent = batch
-        x = self.norm_delta(target - ctx[:, -1])  # the change from the last context frame (most of it is still)
+        last = ctx[:, -1].float()
         ctx = self.norm(ctx)
         B, K = ctx.shape[:2]
         if c.ctx_noise == "uniform":
-            ctx_sigma = torch.rand(B, device=x.device).mul(c.ctx_sigma_max)[:, None].expand(B, K)
+            ctx_sigma = torch.rand(B, device=ctx.device).mul(c.ctx_sigma_max)[:, None].expand(B, K)
         elif c.ctx_noise == "per_frame":
-            small = torch.rand(B, K, device=x.device) * c.ctx_sigma_max
+            small = torch.rand(B, K, device=ctx.device) * c.ctx_sigma_max
             lo, hi = math.log(c.sigma_min), math.log(c.sigma_max)
-            wide = torch.exp(lo + (hi - lo) * torch.rand(B, K, device=x.device))
-            ctx_sigma = torch.where(torch.rand(B, K, device=x.device) < 0.5, small, wide)
+            wide = torch.exp(lo + (hi - lo) * torch.rand(B, K, device=ctx.device))
+            ctx_sigma = torch.where(torch.rand(B, K, device=ctx.device) < 0.5, small, wide)
             ctx_sigma[:, -1] = small[:, -1]
         else:
             raise ValueError(f"DynamicsConfig.ctx_noise must be 'uniform' or 'per_frame', got {c.ctx_noise!r}")
-        return x, ctx + ctx_sigma[:, :, None, None, None] * torch.randn_like(ctx), ctx_sigma, actions, n_valid, agent
+        ctx = ctx + ctx_sigma[:, :, None, None, None] * torch.randn_like(ctx)
+        return target.float(), last, ctx, ctx_sigma, actions, n_valid, agent
+
+    def transport_base(self, cache: dict, last: torch.Tensor) -> torch.Tensor:
+        """What the change is added to: the last raw latent (B, C, h, w), moved by the predicted flow with
+        cfg.transport (the refinement head then sees the moved latent in place of the last one)."""
+        if not self.cfg.transport:
+            return last.float()
+        base = flow_warp(last, cache["flow"])
+        c_in0 = schedule.c_in(torch.zeros((), device=base.device), self.cfg.sigma_data)
+        cache["last"] = (self.norm(base) * c_in0).detach()[:, None]
+        return base
+
+    def _change(self, cache, target, last):
+        """The normalised change to denoise, and with transport the flow's own loss (the moved latent against
+        the target, in the change's units) and its logs."""
+        base = self.transport_base(cache, last)
+        if not self.cfg.transport:
+            return self.norm_delta(target - base), 0.0, {}
+        flow_mse = self.norm_delta(base - target).pow(2).mean()
+        flow_reg = 1e-4 * cache["flow"].pow(2).mean()  # flat regions leave the flow free: keep it at rest there
+        logs = {"flow_mse": flow_mse.item(), "flow_cells": cache["flow"].norm(dim=1).mean().item()}
+        return self.norm_delta(target - base.detach()), self.cfg.flow_weight * flow_mse + flow_reg, logs
 
     def denoise_loss(self, batch):
         """EDM's denoising objective (Karras et al. 2022): levels log-normal, each weighted so that the network's
         effective target has unit variance. Its optimum at every level is the posterior mean of the clean change
         given the noisy one, so integrating the probability-flow ODE from noise draws a sample."""
         c = self.cfg
-        x, ctx, ctx_sigma, actions, n_valid, agent = self._window(batch)
+        target, last, *window = self._window(batch)
+        cache = self.context(*window)
+        x, aux, logs = self._change(cache, target, last)
         sigma = (torch.randn(x.shape[0], device=x.device) * c.p_std + c.p_mean).exp()
         x_t = x + sigma[:, None, None, None] * torch.randn_like(x)
-        out = self.denoise(x_t[:, None], sigma[:, None], ctx, ctx_sigma, actions, n_valid, agent)[:, 0]
+        out = self.denoise(x_t[:, None], sigma[:, None], cache=cache)[:, 0]
         w = (sigma**2 + c.sigma_data**2) / (sigma * c.sigma_data) ** 2
         mse = (out - x).pow(2).flatten(1).mean(1)
-        loss = (w * mse).mean() / w.mean().detach()
-        return loss, {"loss": loss.item(), "dsm_mse": mse.mean().item()}
+        loss = (w * mse).mean() / w.mean().detach() + aux
+        return loss, {"loss": loss.item(), "dsm_mse": mse.mean().item(), **logs}
 
     def consistency_loss(self, batch, step: int):
         """batch: (ctx (B, K, C, h, w) raw latents, actions (B, K, 2), target (B, C, h, w), n_valid (B,),
@@ -553,7 +666,9 @@ class Stage2(nn.Module):
         The three targets of the objective - x at sigma_{i+1} (online), at sigma_i (stop-gradient
         target) and at sigma_max (the one-step jump) - run as three variants over one context pass."""
         c = self.cfg
-        x, ctx, ctx_sigma, actions, n_valid, agent = self._window(batch)
+        target, last, *window = self._window(batch)
+        cache = self.context(*window)
+        x, aux, logs = self._change(cache, target, last)
         B = x.shape[0]
         # iCT's discretisation curriculum over the run
         n = schedule.ict_num_scales(step + self.curriculum_offset, self.total_steps)
@@ -564,15 +679,16 @@ class Stage2(nn.Module):
         eps = torch.randn_like(x)
         x_t = torch.stack([x + s_hi[:, None, None, None] * eps, x + s_lo[:, None, None, None] * eps,
                            torch.randn_like(x) * c.sigma_max], dim=1)  # (B, 3, C, h, w)
-        out = self.denoise(x_t, torch.stack([s_hi, s_lo, s_max], dim=1), ctx, ctx_sigma, actions, n_valid, agent)
+        out = self.denoise(x_t, torch.stack([s_hi, s_lo, s_max], dim=1), cache=cache)
         x_hi, x_lo, x_one = out[:, 0], out[:, 1].detach(), out[:, 2]
         w = 1.0 / (s_hi - s_lo)
         huber_c = 0.00054 * (x[0].numel() ** 0.5)
         ct = (w * schedule.pseudo_huber(x_hi, x_lo, huber_c)).mean() / w.mean()
         dsm = (x_hi - x).pow(2).mean()
         one = (x_one - x).pow(2).mean()  # the one-step jump by MSE: its optimum is the conditional mean
-        loss = 0.1 * ct + dsm + one
-        return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(), "num_scales": n}
+        loss = 0.1 * ct + dsm + one + aux
+        return loss, {"loss": loss.item(), "ct": ct.item(), "dsm_mse": dsm.item(), "one_step_mse": one.item(),
+                      "num_scales": n, **logs}
 
     @torch.no_grad()
     def predict(self, ctx, actions, n_valid, agent=None, steps: int | None = None, generator=None, ctx_noise=None,
@@ -596,6 +712,7 @@ class Stage2(nn.Module):
             ctx_noise = torch.randn(ctx.shape, generator=generator, device=generator.device if generator else ctx.device).to(ctx.device)
         ctx = ctx + level * ctx_noise
         cache = self.context(ctx, ctx_sigma_t, actions, n_valid, agent)  # once, for every sampler step
+        base = self.transport_base(cache, last)
         D = lambda x_t, s: self.denoise(x_t[:, None], s[:, None], cache=cache)[:, 0]  # noqa: E731
         shape = (B, c.latent_ch, c.latent_size, c.latent_size)
         if sampler == "consistency":
@@ -606,4 +723,4 @@ class Stage2(nn.Module):
             y = euler_sample(D, shape, sig, generator=generator, device=ctx.device)
         else:
             raise ValueError(f"sampler must be 'consistency' or 'euler', got {sampler!r}")
-        return last + self.unnorm_delta(y)
+        return base + self.unnorm_delta(y)

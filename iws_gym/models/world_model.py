@@ -24,6 +24,7 @@ from iws_gym.models.checkpoint import load_release, load_state_checked
 from iws_gym.models.decoder import Stage1, Stage1Config, decode
 from iws_gym.models.frames import frames_to_tensor, tensor_to_frames
 from iws_gym.models.hardware import default_dtype, dtype_name, resolve_device
+from iws_gym.models import trust
 
 
 def check_reencode_every(k) -> int:
@@ -45,6 +46,8 @@ class RolloutSettings:
     reencode_every: int = 1               # ... on every k-th step; the steps between keep the predicted latent.
                                           # 4 gives sharper rollouts but ranks policies less reliably (docs/results.md)
     ctx_sigma: float | None = None        # the context's noise level at inference (None: the release's config)
+    trust: bool = True                    # the per-step trust signal (models/trust.py): free while every step
+                                          # re-encodes; with reencode_every > 1 it costs an encode on the other steps
 
     def __post_init__(self):
         for name in ("decoder_steps", "dynamics_steps"):
@@ -75,6 +78,7 @@ class WorldModel:
         if not isinstance(settings, RolloutSettings):
             raise ValueError(f"settings must be a RolloutSettings, got {type(settings).__name__}")
         self.settings = settings
+        self.trust_calibration = trust.TrustCalibration.load(path)
 
     def with_settings(self, **changes) -> "WorldModel":
         """A copy with other rollout settings (dataclasses.replace of `settings`), sharing the weights."""
@@ -157,7 +161,10 @@ class WorldModel:
         B = z0.shape[0]
         state = dict(ctx=z0[:, None].repeat(1, K, 1, 1, 1), acts=torch.zeros(B, K, 2, device=self.device),
                      n_valid=torch.ones(B, dtype=torch.long, device=self.device),
-                     t=torch.zeros(B, dtype=torch.long, device=self.device))  # steps since start, per env
+                     t=torch.zeros(B, dtype=torch.long, device=self.device),  # steps since start, per env
+                     # the trust signal (models/trust.py): smoothed cycle error, trust now, its episode minimum
+                     trust_m=torch.zeros(B, device=self.device), trust=torch.ones(B, device=self.device),
+                     trust_min=torch.ones(B, device=self.device))
         if self.tracks_agent:
             if agent_pos is None:
                 raise ValueError(f"{self.path}: this dynamics model tracks the agent; start() needs agent_pos (B, 2)")
@@ -199,13 +206,17 @@ class WorldModel:
         context in place of the raw prediction, so the window is regularly pulled back to latents of
         renderable frames, as at reset. Without it, small off-manifold errors of the prediction feed back
         into the next one and compound; every step, the decode-encode round trip blurs what the dynamics
-        drew (docs/experiments.md, "Re-encoding interval"). Returns the frames (B, H, W, 3) uint8."""
+        drew (docs/experiments.md, "Re-encoding interval"). With `settings.trust`, the round trip also gives
+        each env's trust (state["trust"], state["trust_min"]; models/trust.py). Returns the frames (B, H, W, 3) uint8."""
         z = self.advance(state, actions, generator=generator)
         frames = self.decode(z, generator=generator)
-        if self.settings.reencode:
-            due = state["t"] % self.settings.reencode_every == 0  # (B,) envs whose frame goes back this step
+        st = self.settings
+        due = state["t"] % st.reencode_every == 0 if st.reencode else torch.zeros_like(state["t"], dtype=torch.bool)
+        if st.trust or bool(due.any()):  # envs whose frame goes back this step, and the trust signal
+            z_obs = self.encode(frames).to(state["ctx"].dtype)
+            if st.trust:
+                trust.update(state, trust.cycle_error(z, z_obs, self.stage2.cfg.z_std), self.trust_calibration)
             if bool(due.any()):
-                z_obs = self.encode(frames).to(state["ctx"].dtype)
                 z_last = torch.where(due[:, None, None, None], z_obs, state["ctx"][:, -1])
                 state["ctx"] = torch.cat([state["ctx"][:, :-1], z_last[:, None]], dim=1)
         return frames

@@ -49,6 +49,10 @@ class Options:
                                       "sigma_max); default: the release's with --finetune, else uniform")
     p_mean: float | None = arg(None, "denoise: mean log noise level of training (default: the config's, EDM's -1.2; "
                                      "DIAMOND: -0.4)")
+    transport: bool = arg(False, "carry content: the change is added to the last latent moved by a predicted flow "
+                                 "(dynamics.FlowHead), so a pushed object is moved, not drawn anew")
+    flow: str = arg("dense", "--transport: the flow's form, dense (a displacement per cell) | rigid (soft masks "
+                             "of 4 pieces, each moved rigidly, and a still background)")
     sigma_max: float | None = arg(None, "the highest noise level: where sampling starts and the consistency jump "
                                         "comes from (default: the config's, 80; DIAMOND's Euler sampler: 5)")
 
@@ -151,6 +155,12 @@ class Stage(StageBase):
             if not o.sigma_max > cfg.sigma_min:
                 raise ValueError(f"--sigma-max must be above sigma_min {cfg.sigma_min}, got {o.sigma_max}")
             cfg = dataclasses.replace(cfg, sigma_max=o.sigma_max)
+        if o.transport and not cfg.transport:
+            if o.finetune:
+                raise ValueError(f"--transport adds a flow head: train it from scratch, not as a fine-tune of {o.finetune}")
+            if o.flow not in ("dense", "rigid"):
+                raise ValueError(f"--flow must be 'dense' or 'rigid', got {o.flow!r}")
+            cfg = dataclasses.replace(cfg, transport=True, flow=o.flow)
         self.config = cfg
         # a fine-tune carries the discretisation curriculum on from where its release ended
         self.model = Stage2(cfg, total_steps=offset or a.steps, curriculum_offset=offset)
