@@ -214,6 +214,16 @@ class Stage(StageBase):
         self.eval_corrupt = self.held.sample(np.random.default_rng(4), 64, cfg.context, corrupt_all=True)
         # open-loop evaluation: rollouts from a single real frame, as the env runs them
         self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
+        # a still world: each held-out episode's first frame (gym-pusht resets at rest), the agent told to hold
+        # its position; nothing may move (with an agent track only: holding needs the agent's position)
+        self.eval_hold = None
+        if cfg.agent_motion:
+            z0 = torch.stack([z[0] for z in self.held.latents]).float()                       # (N, C, h, w)
+            p0 = torch.as_tensor(np.stack([e["agent_pos"][0] for e in held_eps]), dtype=torch.float32)
+            K, D = cfg.context, self.EVAL_DEPTH
+            hold = p0[:, None].expand(len(p0), K + D - 1, 2).contiguous()
+            self.eval_hold = (z0[:, None].expand(len(z0), K, *z0.shape[1:]).contiguous(), hold,
+                              torch.ones(len(z0), dtype=torch.long), hold.clone())
 
     def _to(self, windows):
         return tuple(None if t is None else t.to(self.device) for t in windows)
@@ -259,6 +269,10 @@ class Stage(StageBase):
                           reencode=lambda z: reencode_latents(self.stage1, z, gen))
         out[f"open_loop_reencoded_mse_step{D}"] = (preds[:, -1] - tgt[:, -1]).pow(2).mean().item()
         out[f"open_loop_reencoded_mse_mean{D}"] = (preds - tgt).pow(2).mean().item()
+        if self.eval_hold is not None:  # how far a still world drifts from its first latent in D steps
+            ctx, act, nv, ag = self._to(self.eval_hold)
+            preds = open_loop(ema, ctx, act, nv, ag, D, generator=torch.Generator().manual_seed(0))
+            out[f"hold_drift_mse_step{D}"] = (preds[:, -1] - ctx[:, -1]).pow(2).mean().item()
         return out
 
     def export(self, ema, out, result):
