@@ -139,10 +139,10 @@ def track_or(state: dict, i: int, fallback) -> np.ndarray:
     return state["agent"][i].cpu().numpy().astype(np.float64) if "agent" in state else fallback
 
 
-def trust_info(state: dict, i: int) -> dict:
-    """Env i's trust in this step (in [0, 1], higher is better) and its minimum over the episode so far (see
-    models/trust.py; 1.0 at reset, and throughout when the env was made with trust=False)."""
-    return {"trust": float(state["trust"][i]), "trust_min": float(state["trust_min"][i])}
+def trust_info(state: dict) -> list[dict]:
+    """Each env's trust in this step (in [0, 1], higher is better) and its minimum over the episode so far (see
+    models/trust.py; 1.0 at reset, and throughout when the env was made with trust=False), read once per step."""
+    return [{"trust": t, "trust_min": m} for t, m in zip(state["trust"].tolist(), state["trust_min"].tolist())]
 
 
 def start_frame(options: dict, size: int, gt_env, np_random, task) -> tuple[np.ndarray, np.ndarray]:
@@ -210,7 +210,7 @@ class WorldSimEnv(gym.Env):
         self._frame, self._agent = frame, agent
         self._state = self.wm.start_frames(frame[None], agent[None] if self.wm.tracks_agent else None)
         score = self.scorer(frame[None])[0]
-        info = {"is_success": False, **score.info, **trust_info(self._state, 0)}
+        info = {"is_success": False, **score.info, **trust_info(self._state)[0]}
         if self.render_mode == "human":
             self.render()
         return self._obs(), info
@@ -222,7 +222,7 @@ class WorldSimEnv(gym.Env):
         self._frame = self.wm.step(self._state, torch.from_numpy(a)[None], generator=self._gen)[0]
         self._agent = read_agent(self._frame, track_or(self._state, 0, self._agent))
         score = self.scorer(self._frame[None])[0]
-        info = {"is_success": score.is_success, **score.info, **trust_info(self._state, 0)}
+        info = {"is_success": score.is_success, **score.info, **trust_info(self._state)[0]}
         if self.render_mode == "human":
             self.render()
         return self._obs(), score.reward, score.is_success, False, info

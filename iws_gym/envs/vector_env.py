@@ -95,9 +95,9 @@ class WorldSimVectorEnv(VectorEnv):
                     d[single] = vals[i]
         self._reset_envs(idx, per_env)
         scores = self.scorer(self._frames)
-        infos = {}
+        infos, trust = {}, trust_info(self._state)
         for i in range(self.num_envs):
-            infos = self._add_info(infos, {"is_success": False, **scores[i].info, **trust_info(self._state, i)}, i)
+            infos = self._add_info(infos, {"is_success": False, **scores[i].info, **trust[i]}, i)
         return self._obs(), infos
 
     def step(self, actions):
@@ -123,10 +123,9 @@ class WorldSimVectorEnv(VectorEnv):
         truncated = (self._elapsed >= self.max_episode_steps) if self.max_episode_steps else np.zeros(self.num_envs, bool)
         rewards[resetting], terminated[resetting], truncated[resetting] = 0.0, False, False
         truncated &= ~terminated
-        infos = {}
+        infos, trust = {}, trust_info(self._state)
         for i in range(self.num_envs):
-            infos = self._add_info(infos, {"is_success": bool(terminated[i]), **scores[i].info,
-                                           **trust_info(self._state, i)}, i)
+            infos = self._add_info(infos, {"is_success": bool(terminated[i]), **scores[i].info, **trust[i]}, i)
         done = np.flatnonzero(terminated | truncated)
         obs = self._obs()
         if self.autoreset_mode == AutoresetMode.NEXT_STEP:

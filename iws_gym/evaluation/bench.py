@@ -63,8 +63,9 @@ def gym_pusht_throughput(steps: int) -> float:
 def bench(checkpoint=None, device: str = "auto", steps: int = 200, batch_sizes=(1, 8, 32, 64),
           rollout_steps: int = 9000, batch_steps: int = 20, compile: bool = False, precision: str = "auto",
           reencode_every: int | None = None, trust: bool = True) -> dict:
-    """trust: compute the per-step trust signal (the env's default; models/trust.py). compile: torch.compile the dynamics (WorldModel.compile). FLOPs are counted on the eager model
-    first; the compile itself happens in the warm-up steps and is reported as compile_s."""
+    """trust: compute the per-step trust signal (the env's default; models/trust.py). compile: torch.compile
+    the dynamics (WorldModel.compile). FLOPs are counted on the eager model first; the compile itself happens
+    in the warm-up steps and is reported as compile_s."""
     import gymnasium as gym
     from tqdm import tqdm
 
