@@ -82,7 +82,8 @@ def cmd_eval_policy(a):
     from iws_gym.evaluation.policy_eval import evaluate_policy
 
     _emit(evaluate_policy(_task(a.task), a.policy, a.episodes, a.horizon, a.seed, a.ground_truth, a.checkpoint, a.device,
-                          video=a.video, video_episodes=a.video_episodes, stop_untrusted=a.stop_untrusted), a.json)
+                          video=a.video, video_episodes=a.video_episodes, stop_untrusted=a.stop_untrusted,
+                          learned=not a.ground_truth_only), a.json)
 
 
 def cmd_eval_stability(a):
@@ -221,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
     c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
-    c.add_argument("--mix", default="play", choices=["play", "jittery", "random"],
+    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert"],
                    help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
-                        "random: whole episodes of a uniform-random target every step (the stability check's random drive)")
+                        "random: whole episodes of a uniform-random target every step (the stability check's random drive); "
+                        "expert: demonstrations of the planning expert, each ending at success")
     c.set_defaults(fn=cmd_collect)
 
     g = sub.add_parser("generate", help="record demonstrations inside the learned world (marked as generated)")
@@ -327,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     epo.add_argument("--horizon", type=int, default=300)
     epo.add_argument("--seed", type=int, default=0)
     epo.add_argument("--ground-truth", action="store_true", help="also run the same starts in gym-pusht")
+    epo.add_argument("--ground-truth-only", action="store_true",
+                     help="run only gym-pusht (a demonstrator's or a policy's real-world score; no weights needed)")
     epo.add_argument("--checkpoint", default=None)
     epo.add_argument("--device", default="auto")
     epo.add_argument("--json", default=None)
@@ -509,7 +513,7 @@ COMMON_HELP = {  # options that mean the same in every command
     "behaviour": "held-out drive: the training play mix, an unseen scripted sweep, jittery pushes, or a uniform-random "
                  "target every step",
     "mix": "play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; random: whole "
-           "episodes of a uniform-random target every step",
+           "episodes of a uniform-random target every step; expert: the planning expert's demonstrations",
     "loader_batches": "batches timed for the loader-speed figure",
     "batch": "batch size", "lr": "learning rate", "max_episodes": "use only the first N episodes",
     "save_at": "steps at which to save a policy checkpoint",

@@ -18,10 +18,11 @@ from iws_gym.tasks.pusht.groundtruth import get_state, make_env
 from iws_gym.envs.registry import TaskConfig
 from iws_gym.models.checkpoint import git_commit
 
-SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random"]  # append only: files store indices
-# `iws collect --mix`: the default play mix, whole-episode jittery pushes, or whole episodes of a uniform-random
-# target every step (the stability check's random drive, `behaviours.RandomTargets`)
-MIXES = ("play", "jittery", "random")
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert"]  # append only: files store indices
+# `iws collect --mix`: the default play mix, whole-episode jittery pushes, whole episodes of a uniform-random
+# target every step (the stability check's random drive, `behaviours.RandomTargets`), or expert demonstrations
+# (`expert.PlanningPusher` on the true state; an episode ends at success, as Push-T's demonstrations do)
+MIXES = ("play", "jittery", "random", "expert")
 
 
 def check_mix(mix: str) -> None:
@@ -36,12 +37,16 @@ def episode_plan(mix: str, seed: int, steps: int):
         return None
     if mix == "random":
         return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
+    if mix == "expert":
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        return [("expert", PlanningPusher(np.random.default_rng([seed, 3])), steps)]
     return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
 
 
 def mix_of(plan: str) -> str:
     """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
-    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:")):
+    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:")):
         if plan.startswith(prefix):
             return mix
     return "play"
@@ -74,6 +79,12 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             coverage.append(info["coverage"])
             contacts.append(info["n_contacts"])
             segments.append(SEGMENT_NAMES.index(name) if name in SEGMENT_NAMES else -1)
+            if name == "expert" and info["is_success"]:  # a demonstration ends at success
+                break
+        else:
+            continue
+        plan = [(name, behaviour, len(actions))]  # (the expert's plan is its only segment)
+        break
     return dict(
         frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
         block_pose=np.stack(block_pose), coverage=np.array(coverage), n_contacts=np.array(contacts),

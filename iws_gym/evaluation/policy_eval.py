@@ -196,8 +196,8 @@ def trust_summary(tmin, learned, gt=None) -> dict:
 
 def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, seed: int = 0, ground_truth: bool = False,
                     checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4,
-                    stop_untrusted: bool = False) -> dict:
-    """With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
+                    stop_untrusted: bool = False, learned: bool = True) -> dict:
+    """With `learned` False only gym-pusht is run (a demonstrator's or a policy's real-world score). With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
     --ground-truth, gym-pusht's frames above the learned env's, from the same starts). With
     `stop_untrusted`, a learned episode ends when its trust falls below trust.TRUSTED (see run_learned)."""
     if episodes <= 0 or horizon <= 0:
@@ -206,6 +206,19 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
         raise ValueError(f"--video-episodes must be > 0, got {video_episodes}")
     factory = load_policy_factory(policy)
     states = start_states(task, episodes, seed)
+    if not learned:
+        rec = [] if video is not None else None
+        k = min(video_episodes, episodes)
+        gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec, record_episodes=k)
+        report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
+                      start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
+                      ground_truth=dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist()))
+        if video is not None:
+            from iws_gym.evaluation.demo import write_video
+
+            write_video(episode_video_frames([np.stack([ep[t] for ep in rec]) for t in range(horizon + 1)]), video, scale=2)
+            report["video"] = dict(path=str(video), episodes=k, layout="gym-pusht")
+        return report
     k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
     rec_l = [] if video is not None else None
     tmin: list = []

@@ -37,6 +37,34 @@ class FramePusher:
         return np.asarray(self.pusher.act(np.concatenate([agent, block])), dtype=np.float32)
 
 
+class ExpertPusher:
+    """The planning expert (tasks/pusht/expert.py) driven by the T pose read from the frame: it plans each push
+    in its own copy of gym-pusht's physics, set to what it sees. The demonstrator of `iws generate` and of
+    the policies trained by imitation."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        self.noise, self.seed = noise, seed
+        self.expert = PlanningPusher(noise=noise)
+        self.reset(seed)
+
+    def reset(self, seed: int | None = None):
+        self.expert.reset(np.random.default_rng(self.seed if seed is None else seed))
+        self.last_block = None
+
+    def __call__(self, obs) -> np.ndarray:
+        frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], dtype=np.float64)
+        if frame.shape[:2] != (128, 128):
+            frame = cv2.resize(frame, (128, 128), interpolation=cv2.INTER_AREA)
+        est = estimate(frame)
+        block = est.block if est.block is not None else self.last_block
+        if block is None:
+            return agent.astype(np.float32)
+        self.last_block = block
+        return self.expert.act(np.concatenate([agent, block]))
+
+
 class RandomPolicy:
     def __init__(self, seed: int = 0):
         self.seed = seed

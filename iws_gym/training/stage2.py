@@ -52,7 +52,8 @@ class Options:
     transport: bool = arg(False, "carry content: the change is added to the last latent moved by a predicted flow "
                                  "(dynamics.FlowHead), so a pushed object is moved, not drawn anew")
     flow: str = arg("dense", "--transport: the flow's form, dense (a displacement per cell) | rigid (soft masks "
-                             "of 4 pieces, each moved rigidly, and a still background)")
+                             "of 4 pieces, each moved rigidly, and a still background) | sampled (dense, predicted "
+                             "at every sampler step from the noisy target too; --objective denoise)")
     sigma_max: float | None = arg(None, "the highest noise level: where sampling starts and the consistency jump "
                                         "comes from (default: the config's, 80; DIAMOND's Euler sampler: 5)")
 
@@ -158,8 +159,10 @@ class Stage(StageBase):
         if o.transport and not cfg.transport:
             if o.finetune:
                 raise ValueError(f"--transport adds a flow head: train it from scratch, not as a fine-tune of {o.finetune}")
-            if o.flow not in ("dense", "rigid"):
-                raise ValueError(f"--flow must be 'dense' or 'rigid', got {o.flow!r}")
+            if o.flow not in ("dense", "rigid", "sampled"):
+                raise ValueError(f"--flow must be 'dense', 'rigid' or 'sampled', got {o.flow!r}")
+            if o.flow == "sampled" and cfg.objective != "denoise":
+                raise ValueError("--flow sampled is part of what the sampler draws: it needs --objective denoise")
             cfg = dataclasses.replace(cfg, transport=True, flow=o.flow)
         self.config = cfg
         # a fine-tune carries the discretisation curriculum on from where its release ended
