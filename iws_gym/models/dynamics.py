@@ -22,9 +22,6 @@ network spends its capacity on what changes. With `transport` the base is not z_
 a displacement field the network predicts from the window and the action (`FlowHead`, `flow_warp`):
 content is carried cell by cell, and what is denoised is only the residual that moving cannot explain.
 The flow is trained by how well the moved latent matches z_{t+1}; nothing in it knows what an object is.
-With flow "sampled" the flow is instead predicted inside every denoiser call, from the noisy change as
-well: the denoiser's output is the moved latent's change plus a residual, so the sampler commits to one
-motion as the noise falls instead of moving content by the average of the possible motions.
 
 Objective (`Stage2.loss`): the same family as stage 1 - improved consistency training between adjacent
 noise levels with a stop-gradient target, a denoising regulariser at the same level and the
@@ -86,11 +83,13 @@ class DynamicsConfig:
     transport: bool = False
     flow_weight: float = 1.0
     # the flow's form: "dense" (a displacement per cell) or "rigid" (piecewise rigid: flow_slots soft masks,
-    # each moved by its own rotation and translation, plus a still background; SE3-Nets' prior in 2D), both
-    # predicted once from the window; or "sampled": a dense flow predicted at every denoiser call from the
-    # noisy target too, so that it is part of what the sampler draws (denoise objective only)
+    # each moved by its own rotation and translation, plus a still background; SE3-Nets' prior in 2D)
     flow: str = "dense"
     flow_slots: int = 4
+    # a gate on the dense flow: flow = sigmoid(g) * displacement, with g predicted per cell (starting shut) and
+    # flow_gate_weight * mean(sigmoid(g)) added to the loss, so the flow is near zero wherever nothing moves
+    # (0: no gate)
+    flow_gate_weight: float = 0.0
     # the agent track (see agent_landing): the fitted motion law of the agent, (c_pt, c_pt-1, c_at, c_at-1,
     # d_pt, d_at); empty: no track, the network sees actions only
     agent_motion: tuple = ()
@@ -382,25 +381,24 @@ class FlowHead(nn.Module):
     def __init__(self, cfg: "DynamicsConfig", blocks: int = 2):
         super().__init__()
         c = cfg.hires_ch or 64
-        self.sampled = cfg.flow == "sampled"
-        if self.sampled:  # reads the target slot's upsampled features and the noisy target itself
-            self.inp = nn.Conv2d(3 * cfg.latent_ch + n_maps(cfg) + cfg.ch // 2, c, 3, padding=1)
-        else:
-            self.up = nn.ConvTranspose2d(cfg.ch, cfg.ch // 2, cfg.patch, stride=cfg.patch)
-            self.inp = nn.Conv2d(2 * cfg.latent_ch + n_maps(cfg) + cfg.ch // 2, c, 3, padding=1)
+        self.up = nn.ConvTranspose2d(cfg.ch, cfg.ch // 2, cfg.patch, stride=cfg.patch)
+        self.inp = nn.Conv2d(2 * cfg.latent_ch + n_maps(cfg) + cfg.ch // 2, c, 3, padding=1)
         self.blocks = nn.ModuleList([ResBlock(c, cfg.emb_dim) for _ in range(blocks)])
         self.norm = group_norm(c)
         self.rigid = cfg.flow == "rigid"
-        if cfg.flow not in ("dense", "rigid", "sampled"):
-            raise ValueError(f"DynamicsConfig.flow must be 'dense', 'rigid' or 'sampled', got {cfg.flow!r}")
+        if cfg.flow not in ("dense", "rigid"):
+            raise ValueError(f"DynamicsConfig.flow must be 'dense' or 'rigid', got {cfg.flow!r}")
         if self.rigid:  # masks over slots + background, and each slot's motion from its mask-pooled features
             self.masks = nn.Conv2d(c, cfg.flow_slots + 1, 3, padding=1)
             self.motion = nn.Sequential(nn.Linear(c, c), nn.SiLU(), nn.Linear(c, 3))  # angle, tx, ty (cells)
             self.out = self.motion[-1]
         else:
-            self.out = nn.Conv2d(c, 2, 3, padding=1)
+            self.gated = cfg.flow_gate_weight > 0
+            self.out = nn.Conv2d(c, 3 if self.gated else 2, 3, padding=1)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
+        if not self.rigid and self.gated:
+            nn.init.constant_(self.out.bias[2:], -3.0)  # the gate starts nearly shut
 
     def forward(self, last, prev, maps_t, feats, cond):
         """last, prev (B, C, h, w) the last two context latents (prev zero if padded); maps_t (B, M, h, w);
@@ -412,18 +410,13 @@ class FlowHead(nn.Module):
             h = blk(h, cond)
         h = F.silu(self.norm(h))
         if not self.rigid:
-            return self.out(h).float()
+            out = self.out(h).float()
+            if not self.gated:
+                return out
+            gate = torch.sigmoid(out[:, 2:])
+            self.last_gate = gate  # read by Stage2._change for the gate's sparsity loss
+            return gate * out[:, :2]
         return rigid_flow(self.masks(h).float().softmax(dim=1), h.float(), self.motion)
-
-    def from_target(self, last, prev, tgt, maps_t, u, cond):
-        """The sampled flow: last, prev (N, C, h, w) context latents, tgt (N, C, h, w) the preconditioned noisy
-        target, maps_t (N, M, h, w), u (N, ch/2, h, w) the target slot's upsampled trunk features, cond (N, D)
-        its conditioning (noise level and action) -> flow (N, 2, h, w), float32."""
-        dt = self.inp.weight.dtype
-        h = self.inp(torch.cat([last.to(dt), prev.to(dt), tgt.to(dt), maps_t.to(dt), u.to(dt)], dim=1))
-        for blk in self.blocks:
-            h = blk(h, cond)
-        return self.out(F.silu(self.norm(h))).float()
 
 
 def rigid_flow(masks: torch.Tensor, feats: torch.Tensor, motion: nn.Module) -> torch.Tensor:
@@ -500,16 +493,12 @@ class DynamicsNet(nn.Module):
         out = dict(blocks=blocks, a_t=a[:, K:], maps_t=maps[:, K:], last=ctx[:, -1:])
         if self.flow is not None:  # where the last latent's content goes (Stage2.transport_base applies it)
             prev = ctx[:, -2] if K > 1 else torch.zeros_like(ctx[:, -1])
-            if self.flow.sampled:  # predicted per denoiser call (target)
-                out["prev"] = prev
-            else:
-                out["flow"] = self.flow(ctx[:, -1], prev, maps[:, K], h_c[:, -1], F.silu(a[:, K]).to(dt))
+            out["flow"] = self.flow(ctx[:, -1], prev, maps[:, K], h_c[:, -1], F.silu(a[:, K]).to(dt))
         return out
 
     def target(self, cache: dict, tgt, tgt_c_noise):
         """tgt (B, V, C, h, w) preconditioned noisy target variants with tgt_c_noise (B, V), after the window of
-        `cache` (see `context`) -> F (B, V, C, h, w). With the sampled flow, the flow of each variant is left
-        in cache["flow_t"] (B, V, 2, h, w) for Stage2.denoise to move the last latent by."""
+        `cache` (see `context`) -> F (B, V, C, h, w)."""
         B, V = tgt.shape[:2]
         K = self.cfg.context
         dt = self.inp.weight.dtype
@@ -523,14 +512,8 @@ class DynamicsNet(nn.Module):
         h = h_t.flatten(0, 1)  # (B*V, ch, h/p, w/p): only the target slot is read out
         u = F.silu(self.up(F.silu(self.norm_out(h))))  # (B*V, ch/2, h, w)
         out = self.out(u)
-        last = cache["last"].expand(B, V, *cache["last"].shape[2:])
-        if self.flow is not None and self.flow.sampled:  # the flow from this noisy target; the head sees last moved
-            prev = cache["prev"][:, None].expand(B, V, *cache["prev"].shape[1:])
-            flow = self.flow.from_target(last.flatten(0, 1), prev.flatten(0, 1), tgt.flatten(0, 1),
-                                         maps_t.flatten(0, 1), u, cond_t.flatten(0, 1))
-            cache["flow_t"] = flow.unflatten(0, (B, V))
-            last = flow_warp(last.flatten(0, 1), flow).unflatten(0, (B, V))
         if self.hires is not None:  # full-resolution skip: last context latent, noisy target, action maps
+            last = cache["last"].expand(B, V, *cache["last"].shape[2:])
             x = torch.cat([last.to(dt), tgt.to(dt), maps_t.to(dt)], dim=2)
             out = out + self.hires(torch.cat([x.flatten(0, 1), u.to(dt)], dim=1), cond_t.flatten(0, 1))
         return out.float().unflatten(0, (B, V))
@@ -612,16 +595,7 @@ class Stage2(nn.Module):
         c_skip = schedule.c_skip(s, c.sigma_data, c.sigma_min)
         c_out = schedule.c_out(s, c.sigma_data, c.sigma_min)
         F_x = self.net.target(cache, schedule.c_in(s, c.sigma_data) * x_t, schedule.c_noise(sigma.float()))
-        if "flow_t" not in cache:
-            return c_skip * x_t.float() + c_out * F_x
-        b = self.norm_delta(self.sampled_move(cache) - cache["last_raw"][:, None])  # the change moving explains
-        return b + c_skip * (x_t.float() - b) + c_out * F_x
-
-    def sampled_move(self, cache) -> torch.Tensor:
-        """The last raw latent moved by each variant's sampled flow -> (B, V, C, h, w)."""
-        flow, last = cache["flow_t"], cache["last_raw"]
-        V = flow.shape[1]
-        return flow_warp(last[:, None].expand(-1, V, -1, -1, -1).flatten(0, 1), flow.flatten(0, 1)).unflatten(0, flow.shape[:2])
+        return c_skip * x_t.float() + c_out * F_x
 
     def forward(self, batch, step: int):
         return self.loss(batch, step)
@@ -665,11 +639,6 @@ class Stage2(nn.Module):
         cfg.transport (the refinement head then sees the moved latent in place of the last one)."""
         if not self.cfg.transport:
             return last.float()
-        if self.cfg.flow == "sampled":  # the change is taken from the last latent; each denoiser call moves it
-            if self.cfg.objective != "denoise":
-                raise ValueError("DynamicsConfig.flow 'sampled' needs objective 'denoise' (it is part of what is sampled)")
-            cache["last_raw"] = last.float()
-            return last.float()
         base = flow_warp(last, cache["flow"])
         c_in0 = schedule.c_in(torch.zeros((), device=base.device), self.cfg.sigma_data)
         cache["last"] = (self.norm(base) * c_in0).detach()[:, None]
@@ -679,11 +648,15 @@ class Stage2(nn.Module):
         """The normalised change to denoise, and with transport the flow's own loss (the moved latent against
         the target, in the change's units) and its logs."""
         base = self.transport_base(cache, last)
-        if not self.cfg.transport or self.cfg.flow == "sampled":  # (the sampled flow's loss: denoise_loss)
+        if not self.cfg.transport:
             return self.norm_delta(target - base), 0.0, {}
         flow_mse = self.norm_delta(base - target).pow(2).mean()
         flow_reg = 1e-4 * cache["flow"].pow(2).mean()  # flat regions leave the flow free: keep it at rest there
         logs = {"flow_mse": flow_mse.item(), "flow_cells": cache["flow"].norm(dim=1).mean().item()}
+        if self.cfg.flow_gate_weight > 0:  # the gate's sparsity prior: open only where something moves
+            gate = self.net.flow.last_gate.mean()
+            flow_reg = flow_reg + self.cfg.flow_gate_weight * gate
+            logs["flow_gate"] = gate.item()
         return self.norm_delta(target - base.detach()), self.cfg.flow_weight * flow_mse + flow_reg, logs
 
     def denoise_loss(self, batch):
@@ -699,10 +672,6 @@ class Stage2(nn.Module):
         out = self.denoise(x_t[:, None], sigma[:, None], cache=cache)[:, 0]
         w = (sigma**2 + c.sigma_data**2) / (sigma * c.sigma_data) ** 2
         mse = (out - x).pow(2).flatten(1).mean(1)
-        if "flow_t" in cache:  # the sampled flow's own loss, as the window flow's (see _change)
-            flow_mse = self.norm_delta(self.sampled_move(cache)[:, 0] - target).pow(2).mean()
-            aux = self.cfg.flow_weight * flow_mse + 1e-4 * cache["flow_t"].pow(2).mean()
-            logs = {"flow_mse": flow_mse.item(), "flow_cells": cache["flow_t"].norm(dim=2).mean().item()}
         loss = (w * mse).mean() / w.mean().detach() + aux
         return loss, {"loss": loss.item(), "dsm_mse": mse.mean().item(), **logs}
 

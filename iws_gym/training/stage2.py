@@ -52,8 +52,9 @@ class Options:
     transport: bool = arg(False, "carry content: the change is added to the last latent moved by a predicted flow "
                                  "(dynamics.FlowHead), so a pushed object is moved, not drawn anew")
     flow: str = arg("dense", "--transport: the flow's form, dense (a displacement per cell) | rigid (soft masks "
-                             "of 4 pieces, each moved rigidly, and a still background) | sampled (dense, predicted "
-                             "at every sampler step from the noisy target too; --objective denoise)")
+                             "of 4 pieces, each moved rigidly, and a still background)")
+    flow_gate: float = arg(0.0, "--transport --flow dense: gate the flow per cell, with this weight on the gate's mean "
+                                "(a sparsity prior: the flow is near zero wherever nothing moves); 0: no gate")
     sigma_max: float | None = arg(None, "the highest noise level: where sampling starts and the consistency jump "
                                         "comes from (default: the config's, 80; DIAMOND's Euler sampler: 5)")
 
@@ -159,11 +160,11 @@ class Stage(StageBase):
         if o.transport and not cfg.transport:
             if o.finetune:
                 raise ValueError(f"--transport adds a flow head: train it from scratch, not as a fine-tune of {o.finetune}")
-            if o.flow not in ("dense", "rigid", "sampled"):
-                raise ValueError(f"--flow must be 'dense', 'rigid' or 'sampled', got {o.flow!r}")
-            if o.flow == "sampled" and cfg.objective != "denoise":
-                raise ValueError("--flow sampled is part of what the sampler draws: it needs --objective denoise")
-            cfg = dataclasses.replace(cfg, transport=True, flow=o.flow)
+            if o.flow not in ("dense", "rigid"):
+                raise ValueError(f"--flow must be 'dense' or 'rigid', got {o.flow!r}")
+            if o.flow_gate < 0 or (o.flow_gate > 0 and o.flow != "dense"):
+                raise ValueError(f"--flow-gate must be >= 0 and needs --flow dense, got {o.flow_gate} with --flow {o.flow}")
+            cfg = dataclasses.replace(cfg, transport=True, flow=o.flow, flow_gate_weight=o.flow_gate)
         self.config = cfg
         # a fine-tune carries the discretisation curriculum on from where its release ended
         self.model = Stage2(cfg, total_steps=offset or a.steps, curriculum_offset=offset)
