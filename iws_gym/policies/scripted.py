@@ -13,6 +13,16 @@ from iws_gym.tasks.pusht.behaviours import Pusher
 from iws_gym.tasks.pusht.pose import estimate
 
 
+def read_state(obs, last_block=None):
+    """(agent_pos, block pose) from a gym-pusht observation at any frame size: the block read from the frame
+    (pose.py), or `last_block` where the reader finds none (None if it never has)."""
+    frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], dtype=np.float64)
+    if frame.shape[:2] != (128, 128):
+        frame = cv2.resize(frame, (128, 128), interpolation=cv2.INTER_AREA)
+    block = estimate(frame).block
+    return agent, (block if block is not None else last_block)
+
+
 class FramePusher:
     """The scripted goal-directed pusher driven by the T pose read from the frame (pose.py)."""
 
@@ -26,15 +36,10 @@ class FramePusher:
         self.last_block = None
 
     def __call__(self, obs) -> np.ndarray:
-        frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], dtype=np.float64)
-        if frame.shape[:2] != (128, 128):
-            frame = cv2.resize(frame, (128, 128), interpolation=cv2.INTER_AREA)
-        est = estimate(frame)
-        block = est.block if est.block is not None else self.last_block
-        if block is None:  # nothing to push: hold still
+        agent, self.last_block = read_state(obs, self.last_block)
+        if self.last_block is None:  # nothing to push: hold still
             return agent.astype(np.float32)
-        self.last_block = block
-        return np.asarray(self.pusher.act(np.concatenate([agent, block])), dtype=np.float32)
+        return np.asarray(self.pusher.act(np.concatenate([agent, self.last_block])), dtype=np.float32)
 
 
 class ExpertPusher:
@@ -54,15 +59,10 @@ class ExpertPusher:
         self.last_block = None
 
     def __call__(self, obs) -> np.ndarray:
-        frame, agent = obs["pixels"], np.asarray(obs["agent_pos"], dtype=np.float64)
-        if frame.shape[:2] != (128, 128):
-            frame = cv2.resize(frame, (128, 128), interpolation=cv2.INTER_AREA)
-        est = estimate(frame)
-        block = est.block if est.block is not None else self.last_block
-        if block is None:
+        agent, self.last_block = read_state(obs, self.last_block)
+        if self.last_block is None:
             return agent.astype(np.float32)
-        self.last_block = block
-        return self.expert.act(np.concatenate([agent, block]))
+        return self.expert.act(np.concatenate([agent, self.last_block]))
 
 
 class RandomPolicy:
