@@ -235,7 +235,7 @@ def test_transport_starts_as_the_plain_design_and_its_flow_learns_a_shift(flow):
     on_blob = ctx[:, -1, 0] > 0.5
     assert cache["flow"][:, 0][on_blob].mean() > 0.5  # content moves right
     if flow == "gated":  # open on what moves, shut on the empty rest
-        g = m.net.flow.last_gate[:, 0]
+        g = cache["flow_gate"][:, 0]
         empty = (ctx[:, -1, 0] < 0.5) & (tgt[:, 0] < 0.5)
         assert g[on_blob].mean() > 2 * g[empty].mean()
 

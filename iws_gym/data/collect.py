@@ -68,6 +68,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     frames, agent_pos, block_pose, coverage = [obs["pixels"]], [obs["agent_pos"]], [info["block_pose"]], [0.0]
     actions, contacts, segments = [], [], []
     coverage[0] = float(env._get_coverage())
+    stopped = False
     for name, behaviour, n in plan:
         for _ in range(n):
             a = np.asarray(behaviour.act(get_state(env)), dtype=np.float32)
@@ -79,12 +80,12 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             coverage.append(info["coverage"])
             contacts.append(info["n_contacts"])
             segments.append(SEGMENT_NAMES.index(name) if name in SEGMENT_NAMES else -1)
-            if name == "expert" and info["is_success"]:  # a demonstration ends at success
+            stopped = name == "expert" and info["is_success"]  # a demonstration ends at success
+            if stopped:
                 break
-        else:
-            continue
-        plan = [(name, behaviour, len(actions))]  # (the expert's plan is its only segment)
-        break
+        if stopped:
+            plan = [(name, behaviour, len(actions))]  # (the expert's plan is its only segment)
+            break
     return dict(
         frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
         block_pose=np.stack(block_pose), coverage=np.array(coverage), n_contacts=np.array(contacts),

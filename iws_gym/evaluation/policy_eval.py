@@ -197,48 +197,45 @@ def trust_summary(tmin, learned, gt=None) -> dict:
 def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, seed: int = 0, ground_truth: bool = False,
                     checkpoint=None, device: str = "auto", video=None, video_episodes: int = 4,
                     stop_untrusted: bool = False, learned: bool = True) -> dict:
-    """With `learned` False only gym-pusht is run (a demonstrator's or a policy's real-world score). With `video`, the first `video_episodes` episodes are written side by side as an mp4 (with
-    --ground-truth, gym-pusht's frames above the learned env's, from the same starts). With
-    `stop_untrusted`, a learned episode ends when its trust falls below trust.TRUSTED (see run_learned)."""
+    """With `learned` False only gym-pusht is run (a demonstrator's or a policy's real-world score). With
+    `video`, the first `video_episodes` episodes are written side by side as an mp4 (with --ground-truth,
+    gym-pusht's frames above the learned env's, from the same starts). With `stop_untrusted`, a learned
+    episode ends when its trust falls below trust.TRUSTED (see run_learned)."""
     if episodes <= 0 or horizon <= 0:
         raise ValueError(f"--episodes and --horizon must be > 0, got {episodes} and {horizon}")
     if video is not None and video_episodes <= 0:
         raise ValueError(f"--video-episodes must be > 0, got {video_episodes}")
     factory = load_policy_factory(policy)
     states = start_states(task, episodes, seed)
-    if not learned:
-        rec = [] if video is not None else None
-        k = min(video_episodes, episodes)
-        gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec, record_episodes=k)
-        report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
-                      start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
-                      ground_truth=dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist()))
-        if video is not None:
-            from iws_gym.evaluation.demo import write_video
-
-            write_video(episode_video_frames([np.stack([ep[t] for ep in rec]) for t in range(horizon + 1)]), video, scale=2)
-            report["video"] = dict(path=str(video), episodes=k, layout="gym-pusht")
-        return report
-    k = min(video_episodes, episodes, LEARNED_BATCH)  # run_learned records its first batch
-    rec_l = [] if video is not None else None
-    tmin: list = []
-    learned, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l, trust_min=tmin,
-                               stop_untrusted=stop_untrusted)
-    report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed, precision=_precision(device),
-                  stop_untrusted=stop_untrusted,
-                  start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
-                  learned=dict(**_summary(learned), seconds_per_episode=t_l, scores=learned.tolist()))
-    rec_g = [] if video is not None and ground_truth else None
-    if ground_truth:
+    report = dict(policy=policy, episodes=episodes, horizon=horizon, seed=seed,
+                  start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1])
+    k = min(video_episodes, episodes, LEARNED_BATCH if learned else episodes)  # run_learned records its first batch
+    rec_l = [] if video is not None and learned else None
+    if learned:
+        tmin: list = []
+        scores, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l, trust_min=tmin,
+                                  stop_untrusted=stop_untrusted)
+        report.update(precision=_precision(device), stop_untrusted=stop_untrusted,
+                      learned=dict(**_summary(scores), seconds_per_episode=t_l, scores=scores.tolist()))
+    gt = None
+    rec_g = [] if video is not None and (ground_truth or not learned) else None
+    if ground_truth or not learned:
         gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec_g, record_episodes=k)
         report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
-        report["gap"] = dict(**paired_gap(learned, gt), mean_abs=float(np.abs(learned - gt).mean()))
-    report["trust"] = trust_summary(tmin, learned, gt if ground_truth else None)
+    if learned:
+        if gt is not None:
+            report["gap"] = dict(**paired_gap(scores, gt), mean_abs=float(np.abs(scores - gt).mean()))
+        report["trust"] = trust_summary(tmin, scores, gt)
     if video is not None:
         from iws_gym.evaluation.demo import write_video
 
-        write_video(episode_video_frames([f[:k] for f in rec_l], rec_g), video, scale=2)
-        report["video"] = dict(path=str(video), episodes=k, layout="gym-pusht above the learned env" if ground_truth else "learned env")
+        if learned:
+            frames = episode_video_frames([f[:k] for f in rec_l], rec_g)
+            layout = "gym-pusht above the learned env" if ground_truth else "learned env"
+        else:  # gym-pusht's episodes, one per tile
+            frames, layout = episode_video_frames([np.stack([ep[t] for ep in rec_g]) for t in range(horizon + 1)]), "gym-pusht"
+        write_video(frames, video, scale=2)
+        report["video"] = dict(path=str(video), episodes=k, layout=layout)
     return report
 
 

@@ -402,21 +402,21 @@ class FlowHead(nn.Module):
 
     def forward(self, last, prev, maps_t, feats, cond):
         """last, prev (B, C, h, w) the last two context latents (prev zero if padded); maps_t (B, M, h, w);
-        feats (B, ch, h/p, w/p) the trunk's last context frame; cond (B, D) -> flow (B, 2, h, w), float32."""
+        feats (B, ch, h/p, w/p) the trunk's last context frame; cond (B, D) -> flow (B, 2, h, w), float32, and
+        with a gate its values (B, 1, h, w) (else None)."""
         dt = self.inp.weight.dtype
         u = F.silu(self.up(feats.to(dt)))
         h = self.inp(torch.cat([last.to(dt), prev.to(dt), maps_t.to(dt), u], dim=1))
         for blk in self.blocks:
             h = blk(h, cond)
         h = F.silu(self.norm(h))
-        if not self.rigid:
-            out = self.out(h).float()
-            if not self.gated:
-                return out
-            gate = torch.sigmoid(out[:, 2:])
-            self.last_gate = gate  # read by Stage2._change for the gate's sparsity loss
-            return gate * out[:, :2]
-        return rigid_flow(self.masks(h).float().softmax(dim=1), h.float(), self.motion)
+        if self.rigid:
+            return rigid_flow(self.masks(h).float().softmax(dim=1), h.float(), self.motion), None
+        out = self.out(h).float()
+        if not self.gated:
+            return out, None
+        gate = torch.sigmoid(out[:, 2:])
+        return gate * out[:, :2], gate
 
 
 def rigid_flow(masks: torch.Tensor, feats: torch.Tensor, motion: nn.Module) -> torch.Tensor:
@@ -493,7 +493,7 @@ class DynamicsNet(nn.Module):
         out = dict(blocks=blocks, a_t=a[:, K:], maps_t=maps[:, K:], last=ctx[:, -1:])
         if self.flow is not None:  # where the last latent's content goes (Stage2.transport_base applies it)
             prev = ctx[:, -2] if K > 1 else torch.zeros_like(ctx[:, -1])
-            out["flow"] = self.flow(ctx[:, -1], prev, maps[:, K], h_c[:, -1], F.silu(a[:, K]).to(dt))
+            out["flow"], out["flow_gate"] = self.flow(ctx[:, -1], prev, maps[:, K], h_c[:, -1], F.silu(a[:, K]).to(dt))
         return out
 
     def target(self, cache: dict, tgt, tgt_c_noise):
@@ -654,7 +654,7 @@ class Stage2(nn.Module):
         flow_reg = 1e-4 * cache["flow"].pow(2).mean()  # flat regions leave the flow free: keep it at rest there
         logs = {"flow_mse": flow_mse.item(), "flow_cells": cache["flow"].norm(dim=1).mean().item()}
         if self.cfg.flow_gate_weight > 0:  # the gate's sparsity prior: open only where something moves
-            gate = self.net.flow.last_gate.mean()
+            gate = cache["flow_gate"].mean()
             flow_reg = flow_reg + self.cfg.flow_gate_weight * gate
             logs["flow_gate"] = gate.item()
         return self.norm_delta(target - base.detach()), self.cfg.flow_weight * flow_mse + flow_reg, logs

@@ -44,6 +44,12 @@ def t_sdf(pts, pose):
     return t_sdf_local(local[:, 0], local[:, 1])
 
 
+def path_clear(a, b, pose, margin=AGENT_RADIUS + 6) -> bool:
+    """Whether the agent can travel straight from a to b without touching the block at `pose`."""
+    pts = a + np.linspace(0, 1, 12)[:, None] * (b - a)
+    return bool(np.all(t_sdf(pts, pose) > margin))
+
+
 def _step_towards(pos, target, max_speed):
     d = target - pos
     n = np.linalg.norm(d)
@@ -115,10 +121,8 @@ class Pusher(Behaviour):
         self.orbit_dir, self.orbit_flips, self.approach_steps, self.stalled = 0.0, 0, 0, False
 
     @staticmethod
-    def _clear(a, b, state, margin=AGENT_RADIUS + 6):
-        """Whether the agent can travel straight from a to b without touching the block."""
-        pts = a + np.linspace(0, 1, 12)[:, None] * (b - a)
-        return bool(np.all(t_sdf(pts, state[2:5]) > margin))
+    def _clear(a, b, state):
+        return path_clear(a, b, state[2:5])
 
     def _contact_world(self, state):
         R = rot(state[4])

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from iws_gym.tasks.pusht.behaviours import LO, HI, _perimeter_samples, _step_towards, t_sdf
+from iws_gym.tasks.pusht.behaviours import LO, HI, _perimeter_samples, _step_towards, path_clear
 from iws_gym.tasks.pusht.geometry import AGENT_RADIUS, GOAL_POSE, T_COG
 from iws_gym.tasks.pusht.groundtruth import rot, wrap_angle
 
@@ -96,7 +96,7 @@ class PlanningPusher:
             return None
         out, pos = [], agent.astype(float)
         for _ in range(30):
-            if _clear(pos, far, block):
+            if path_clear(pos, far, block):
                 break
             ra, rf = np.arctan2(*(pos - cog)[::-1]), np.arctan2(*(far - cog)[::-1])
             step = float(np.clip(wrap_angle(rf - ra), -0.6, 0.6))
@@ -179,8 +179,3 @@ class PlanningPusher:
             a = a + self.rng.normal(0, self.noise, 2)
         return np.clip(a, 0, 512).astype(np.float32)
 
-
-def _clear(a, b, block, margin=AGENT_RADIUS + 6) -> bool:
-    """Whether the agent can travel straight from a to b without touching the block."""
-    pts = a + np.linspace(0, 1, 12)[:, None] * (b - a)
-    return bool(np.all(t_sdf(pts, block) > margin))
