@@ -17,7 +17,7 @@ def cmd_collect(a):
     from iws_gym.data.collect import collect
 
     meta = collect(_task(a.task), a.episodes, Path(a.out), seed=a.seed, steps=a.steps, resume=a.resume, mix=a.mix,
-                   workers=a.workers)
+                   workers=a.workers, policy=a.policy)
     print(json.dumps(meta, indent=2))
 
 
@@ -25,7 +25,7 @@ def cmd_generate(a):
     from iws_gym.data.generate import generate
 
     _emit(generate(_task(a.task), Path(a.out), a.episodes, steps=a.steps, seed=a.seed, policy=a.policy,
-                   checkpoint=a.checkpoint, num_envs=a.num_envs, device=a.device), None)
+                   checkpoint=a.checkpoint, num_envs=a.num_envs, device=a.device, resume=a.resume), None)
 
 
 def cmd_data_stats(a):
@@ -109,9 +109,22 @@ def cmd_eval_correlate(a):
             plot_correlation(report, Path(a.plot))
             report["plot"] = a.plot
         return _emit(report, a.json)
-    _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies,
+    extra = {}
+    for item in a.add_policy or []:
+        name, sep, spec = item.partition("=")
+        if not sep or not name or not spec:
+            raise ValueError(f"--add-policy takes NAME=SPEC (MODULE:CALLABLE or a policy's .safetensors), got {item!r}")
+        extra[name] = spec
+    _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies, extra=extra,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
                     reencode=a.reencode, reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
+
+
+def cmd_eval_datagen(a):
+    from iws_gym.evaluation.datagen import datagen
+
+    _emit(datagen(_task(a.task), Path(a.real), Path(a.out), a.episodes, tuple(a.shares), a.train_steps, a.eval_episodes,
+                  a.horizon, a.checkpoint, a.device, Path(a.grid) if a.grid else None, a.preset), a.json)
 
 
 def cmd_eval_probe(a):
@@ -151,6 +164,12 @@ def cmd_train(a):
     from iws_gym.training.train import main as train_main
 
     train_main(a.stage, a.rest)
+
+
+def cmd_train_policy(a):
+    from iws_gym.training.train import main as train_main
+
+    train_main("policy", a.rest[1:] if a.rest[:1] == ["--"] else a.rest)
 
 
 def cmd_train_bc(a):
@@ -222,10 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
     c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
-    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert"],
+    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention"],
                    help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive); "
-                        "expert: demonstrations of the planning expert, each ending at success")
+                        "expert: demonstrations of the planning expert, each ending at success; intervention: --policy "
+                        "acts for 10-199 steps, then the expert takes over (DAgger-style corrections; the learner's "
+                        "steps are stored as segment 'learner' and never imitated)")
+    c.add_argument("--policy", default=None, help="--mix intervention: the learner, MODULE:CALLABLE or a policy's .safetensors")
     c.set_defaults(fn=cmd_collect)
 
     g = sub.add_parser("generate", help="record demonstrations inside the learned world (marked as generated)")
@@ -241,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reading the T from the frame)")
     g.add_argument("--checkpoint", default=None)
     g.add_argument("--num-envs", type=int, default=8, help="learned worlds stepped in one batch")
+    g.add_argument("--resume", action="store_true", help="complete an interrupted generation into the same --out")
     g.add_argument("--device", default="auto")
     g.set_defaults(fn=cmd_generate)
 
@@ -256,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage1, stage2, or recipe: collection, both stages and the release in one resumable command")
     t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
     t.set_defaults(fn=cmd_train)
+
+    tp = sub.add_parser("train-policy", add_help=False,
+                        help="the visuomotor policy (iws_gym.policies:visuomotor) on demonstrations; resumes from OUT/last.pt")
+    tp.add_argument("rest", nargs=argparse.REMAINDER, help="see `iws train-policy --help`")
+    tp.set_defaults(fn=cmd_train_policy)
 
     tb = sub.add_parser("train-bc", help="behaviour-cloning policy on the pushing segments of a dataset (policy suite)")
     tb.add_argument("--data", required=True)
@@ -377,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--horizon", type=int, default=100)
     ec.add_argument("--seed", type=int, default=0)
     ec.add_argument("--policies", nargs="+", default=None, help="a subset of the suite (default: all)")
+    ec.add_argument("--add-policy", action="append", metavar="NAME=SPEC",
+                    help="add a policy to the suite (repeatable): MODULE:CALLABLE or a policy's weights, e.g. "
+                         "visuomotor_5000=runs/visuomotor/visuomotor_step5000.safetensors")
     ec.add_argument("--workers", type=int, default=2, help="policies run at once in separate processes")
     ec.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
                     help="the learned env re-encodes each observation into its context (its default)")
@@ -390,6 +421,23 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--from-json", default=None, metavar="REPORT",
                     help="recompute the suite-level figures of a stored correlate report from its per-episode scores")
     ec.set_defaults(fn=cmd_eval_correlate)
+
+    edg = esub.add_parser("datagen", help="policies trained on 0/50/100%% demonstrations generated in the learned world, "
+                                          "each evaluated in gym-pusht (resumable)")
+    edg.add_argument("--task", default="tpushing", help="task of the real demonstrations")
+    edg.add_argument("--real", required=True, help="real demonstrations (`iws collect --mix expert`)")
+    edg.add_argument("--out", required=True, help="working directory: the generated data, the policies, their evaluations")
+    edg.add_argument("--episodes", type=int, default=100, help="demonstrations each policy is trained on")
+    edg.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="shares of generated episodes")
+    edg.add_argument("--train-steps", type=int, default=12000, help="`iws train-policy` steps of each policy")
+    edg.add_argument("--eval-episodes", type=int, default=100, help="held-out gym-pusht starts per policy")
+    edg.add_argument("--horizon", type=int, default=300, help="steps per evaluation episode")
+    edg.add_argument("--preset", default="default", help="policy model preset (tiny: tests)")
+    edg.add_argument("--checkpoint", default=None, help="the world model that generates (default: the shipped one)")
+    edg.add_argument("--device", default="auto", help="auto | cpu | cuda: where the world model and the training run")
+    edg.add_argument("--grid", default=None, help="PNG: real demonstrations above their generated twins")
+    edg.add_argument("--json", default=None, help="write the report here")
+    edg.set_defaults(fn=cmd_eval_datagen)
 
     epr = esub.add_parser("probe", help="start from edited real frames (shifted goal, recoloured block, distractor)")
     epr.add_argument("--task", default="tpushing")
@@ -550,6 +598,9 @@ def build_parser_with_help() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train-policy"]:  # every flag (--help too) belongs to the training loop's own parser
+        argv = ["train-policy", "--", *argv[1:]]
     args = build_parser_with_help().parse_args(argv)
     try:
         args.fn(args)

@@ -74,6 +74,19 @@ def test_generate_records_demonstrations_in_the_learned_world_marked_as_generate
         assert 1 <= len(ep["actions"]) <= 4 and len(ep["frames"]) == len(ep["actions"]) + 1
         obs, _ = env.reset(seed=5 + i)  # each episode starts from gym-pusht's start of its seed
         np.testing.assert_array_equal(ep["frames"][0], obs["pixels"])
+    # an interrupted generation (episode 1 and dataset.json missing) is completed by --resume, the same episode again
+    before = read_episode(out / "ep_000001.h5")
+    (out / "ep_000001.h5").unlink()
+    (out / "dataset.json").unlink()
+    run_iws("generate", "--checkpoint", tiny_checkpoint, "--episodes", 3, "--steps", 4, "--num-envs", 2, "--seed", 5,
+            "--out", out, "--resume")
+    again = read_episode(out / "ep_000001.h5")
+    np.testing.assert_array_equal(again["frames"][0], before["frames"][0])
+    np.testing.assert_array_equal(again["actions"][:1], before["actions"][:1])
+    assert json.loads((out / "dataset.json").read_text())["episodes"] == 3
+    wrong = run_iws("generate", "--checkpoint", tiny_checkpoint, "--episodes", 3, "--steps", 4, "--seed", 6,
+                    "--out", out, "--resume", check=False)
+    assert wrong.returncode != 0 and "cannot resume" in wrong.stderr
     lr = tmp_path / "lr"
     run_iws("export", "lerobot", "--data", out, "--out", lr)
     assert json.loads((lr / "meta" / "iws_source.json").read_text())["generated"] is True

@@ -18,23 +18,48 @@ from iws_gym.tasks.pusht.groundtruth import get_state, make_env
 from iws_gym.envs.registry import TaskConfig
 from iws_gym.models.checkpoint import git_commit
 
-SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert"]  # append only: files store indices
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner"]  # append only: files store indices
 # `iws collect --mix`: the default play mix, whole-episode jittery pushes, whole episodes of a uniform-random
 # target every step (the stability check's random drive, `behaviours.RandomTargets`), or expert demonstrations
-# (`expert.PlanningPusher` on the true state; an episode ends at success, as Push-T's demonstrations do)
-MIXES = ("play", "jittery", "random", "expert")
+# (`expert.PlanningPusher` on the true state; an episode ends at success, as Push-T's demonstrations do), or
+# interventions (a learner policy acts for a random 10-199 steps, then the expert takes over and shows how
+# to recover from where the learner went: DAgger's data with the expert's corrections as whole pushes)
+MIXES = ("play", "jittery", "random", "expert", "intervention")
+LEARNER_STEPS = (10, 200)  # the learner's part of an intervention episode, drawn uniformly from [lo, hi)
 
 
-def check_mix(mix: str) -> None:
+class Learner:
+    """A policy acting on gym-pusht's observations, as a segment of a collected episode (`--mix intervention`)."""
+
+    reads_obs = True
+
+    def __init__(self, policy, seed: int):
+        self.policy = policy
+        if hasattr(policy, "reset"):
+            policy.reset(seed)
+
+    def act_obs(self, obs) -> np.ndarray:
+        return np.asarray(self.policy(obs), dtype=np.float32).reshape(-1, 2)[0]
+
+
+def check_mix(mix: str, policy: str | None = None) -> None:
     if mix not in MIXES:
         raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
+    if (mix == "intervention") != (policy is not None):
+        raise ValueError("--mix intervention needs --policy (the learner), and only it takes one")
 
 
-def episode_plan(mix: str, seed: int, steps: int):
-    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng)."""
-    check_mix(mix)
+def episode_plan(mix: str, seed: int, steps: int, policy=None):
+    """An explicit plan for `collect_episode` (None: sample the default play mix from the episode's rng).
+    `policy`: the learner of `--mix intervention` (a policy object)."""
+    check_mix(mix, None if policy is None else "policy")
     if mix == "play":
         return None
+    if mix == "intervention":
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        n = min(steps, int(np.random.default_rng([seed, 4]).integers(*LEARNER_STEPS)))
+        return [("learner", Learner(policy, seed), n), ("expert", PlanningPusher(np.random.default_rng([seed, 3])), steps - n)]
     if mix == "random":
         return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
     if mix == "expert":
@@ -46,7 +71,8 @@ def episode_plan(mix: str, seed: int, steps: int):
 
 def mix_of(plan: str) -> str:
     """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
-    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:")):
+    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:"),
+                        ("intervention", "learner:")):
         if plan.startswith(prefix):
             return mix
     return "play"
@@ -71,7 +97,10 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     stopped = False
     for name, behaviour, n in plan:
         for _ in range(n):
-            a = np.asarray(behaviour.act(get_state(env)), dtype=np.float32)
+            if getattr(behaviour, "reads_obs", False):
+                a = behaviour.act_obs(obs)
+            else:
+                a = np.asarray(behaviour.act(get_state(env)), dtype=np.float32)
             obs, _, _, _, info = env.step(a)
             actions.append(a)
             frames.append(obs["pixels"])
@@ -83,8 +112,9 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             stopped = name == "expert" and info["is_success"]  # a demonstration ends at success
             if stopped:
                 break
-        if stopped:
-            plan = [(name, behaviour, len(actions))]  # (the expert's plan is its only segment)
+        if stopped:  # the plan as executed: the segments before, and this one cut short
+            done = sum(k for _, _, k in plan[: plan.index((name, behaviour, n))])
+            plan = plan[: plan.index((name, behaviour, n))] + [(name, behaviour, len(actions) - done)]
             break
     return dict(
         frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),
@@ -147,19 +177,27 @@ _ENV = {}  # one gym-pusht per process and frame size (collection workers reuse 
 
 def _collect_one(job) -> int:
     """Record episode i of a collection (seed + i) into its file."""
-    task, seed, i, steps, mix, out = job
+    task, seed, i, steps, mix, out, policy = job
     env = _ENV.get(task.frame_size)
     if env is None:
         env = _ENV[task.frame_size] = make_env(task.frame_size)
-    ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps))
-    attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES,
+    learner = None
+    if policy is not None:  # one learner per process, reset for each episode
+        if policy not in _ENV:
+            from iws_gym.policies import load_policy_factory
+
+            _ENV[policy] = load_policy_factory(policy)()
+        learner = _ENV[policy]
+    ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps, learner))
+    attrs = dict(seed=seed + i, task=task.name, segment_names=SEGMENT_NAMES, **({"learner": policy} if policy else {}),
                  plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
     write_episode(episode_path(out, i), ep, attrs)
     return i
 
 
 def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: int | None = None,
-            resume: bool = False, progress: bool = True, mix: str = "play", workers: int = 1) -> dict:
+            resume: bool = False, progress: bool = True, mix: str = "play", workers: int = 1,
+            policy: str | None = None) -> dict:
     """Record `episodes` episodes of scripted play (episode i: seed + i) into `out`, with `workers` processes."""
     from tqdm import tqdm
 
@@ -170,7 +208,11 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
         raise ValueError(f"--steps must be > 0, got {steps}")
     if seed < 0 or seed + episodes > task.heldout_seed_base:
         raise ValueError(f"seeds {seed}..{seed + episodes - 1} overlap the held-out range (>= {task.heldout_seed_base}) or are negative")
-    check_mix(mix)  # before anything is written
+    check_mix(mix, policy)  # before anything is written
+    if policy is not None:
+        from iws_gym.policies import load_policy_factory
+
+        load_policy_factory(policy)  # a bad --policy fails here
     out = Path(out)
     done = check_out_dir(out, resume)
     if done:  # resuming: the finished episodes must be this very collection's (same seeds, same mix)
@@ -186,7 +228,7 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
         raise ValueError(f"--workers must be >= 1, got {workers}")
     t0 = time.time()
     todo = [i for i in range(episodes) if i not in done]
-    jobs = [(task, seed, i, steps, mix, out) for i in todo]
+    jobs = [(task, seed, i, steps, mix, out, policy) for i in todo]
     bar = dict(total=len(todo), desc=f"collect {task.name}", unit="ep", disable=not progress)
     if workers == 1:
         for job in tqdm(jobs, **bar):
@@ -199,6 +241,7 @@ def collect(task: TaskConfig, episodes: int, out: Path, seed: int = 0, steps: in
                 pass
     wall = time.time() - t0
     meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, mix=mix, seeds=[seed, seed + episodes - 1],
+                **({"learner": policy} if policy else {}),
                 frame_size=task.frame_size, ground_truth=task.ground_truth, gym_pusht_version=_version("gym-pusht"),
                 commit=git_commit(), wall_s=round(wall, 1),
                 episodes_per_min=round(len(todo) / max(wall, 1e-9) * 60, 1) if todo else None)

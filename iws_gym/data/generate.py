@@ -47,7 +47,9 @@ def world_model_identity(checkpoint) -> dict:
 
 def generate(task: TaskConfig, out: Path, episodes: int, steps: int | None = None, seed: int = 0,
              policy: str = DEFAULT_POLICY, checkpoint=None, num_envs: int = 8, device: str = "auto",
-             progress: bool = True) -> dict:
+             progress: bool = True, resume: bool = False) -> dict:
+    """Record `episodes` episodes of `policy` in the learned world (episode i starts from seed + i's
+    frame). With `resume`, the episodes already in `out` (of this very seed and policy) are kept."""
     from tqdm import tqdm
 
     from iws_gym.envs.vector_env import WorldSimVectorEnv
@@ -63,24 +65,32 @@ def generate(task: TaskConfig, out: Path, episodes: int, steps: int | None = Non
                          f"{task.heldout_seed_base}) or are negative")
     factory = load_policy_factory(policy)  # a bad --policy fails before anything is written
     out = Path(out)
-    check_out_dir(out, resume=False)
+    done = check_out_dir(out, resume)
+    if done:
+        from iws_gym.data.episodes import read_episode
+
+        i = min(done)
+        attrs = read_episode(episode_path(out, i), keys=())["attrs"]
+        if int(attrs.get("seed", -1)) != seed + i or attrs.get("policy") != policy:
+            raise ValueError(f"cannot resume {out} with --seed {seed} --policy {policy}: its episode {i} was generated "
+                             f"with seed {attrs.get('seed')} and policy {attrs.get('policy')}")
+    todo = [i for i in range(episodes) if i not in done]
     checkpoint = Path(checkpoint) if checkpoint else task.checkpoint_path
     ident = world_model_identity(checkpoint)
-    n = min(num_envs, episodes)
+    n = max(1, min(num_envs, len(todo)))
     env = WorldSimVectorEnv(num_envs=n, checkpoint=checkpoint, device=device, task=task.name, max_episode_steps=None)
     gt = make_env(task.frame_size)
     t0 = time.time()
-    lengths, successes = [], []
-    bar = tqdm(total=episodes, desc=f"generate {task.name} in the learned world", unit="ep", disable=not progress)
-    for first in range(0, episodes, n):
-        ids = list(range(first, min(first + n, episodes)))
+    bar = tqdm(total=len(todo), desc=f"generate {task.name} in the learned world", unit="ep", disable=not progress)
+    for b0 in range(0, len(todo), n):
+        ids = todo[b0 : b0 + n]
         starts = [gt.reset(seed=seed + i)[0]["pixels"] for i in ids]
         starts += [starts[-1]] * (n - len(ids))  # the last batch: spare envs replay a start, unrecorded
-        obs, info = env.reset(seed=seed + first, options={"initial_frames": np.stack(starts)})
+        obs, info = env.reset(seed=seed + ids[0], options={"initial_frames": np.stack(starts)})
         policies = [factory() for _ in range(n)]
         for k, p in enumerate(policies):
             if hasattr(p, "reset"):
-                p.reset(seed + first + k)
+                p.reset(seed + (ids[k] if k < len(ids) else ids[-1]))
         rec = [dict(frames=[obs["pixels"][k]], agent_pos=[obs["agent_pos"][k]], actions=[],
                     coverage=[float(info["coverage"][k])]) for k in range(n)]
         live = np.zeros(n, bool)
@@ -110,11 +120,13 @@ def generate(task: TaskConfig, out: Path, episodes: int, steps: int | None = Non
                       segments=np.zeros(T, np.int8))
             write_episode(episode_path(out, i), ep, dict(seed=seed + i, task=task.name, steps=T, segment_names=["generated"],
                                                          plan=f"generated:{T}", generated=True, policy=policy))
-            lengths.append(T)
-            successes.append(bool(r["coverage"][-1] > 0.95))
             bar.update(1)
     bar.close()
     wall = time.time() - t0
+    from iws_gym.data.episodes import read_episode
+
+    cov = [read_episode(episode_path(out, i), keys=("coverage",))["coverage"] for i in range(episodes)]
+    lengths, successes = [len(c) - 1 for c in cov], [bool(c[-1] > 0.95) for c in cov]
     meta = dict(task=task.name, episodes=episodes, steps=steps, seed=seed, seeds=[seed, seed + episodes - 1],
                 frame_size=task.frame_size, generated=True, world_model=ident, policy=policy, num_envs=n,
                 ground_truth=None, source="iws generate (learned world)", commit=git_commit(), wall_s=round(wall, 1),

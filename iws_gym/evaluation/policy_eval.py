@@ -19,7 +19,7 @@ import numpy as np
 from iws_gym.data.splits import SPLITS
 from iws_gym.models.trust import TRUSTED
 from iws_gym.policies import load_policy_factory  # noqa: F401 (part of this module's API)
-from iws_gym.tasks.pusht.groundtruth import make_env
+from iws_gym.tasks.pusht.groundtruth import make_env, reset_state
 from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
 from iws_gym.envs.registry import TaskConfig
 
@@ -46,12 +46,13 @@ class _Runner:
 
 
 def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
-    """Initial states [agent x, y, block x, y, angle] from held-out gym-pusht resets (seeded)."""
+    """Initial states [agent x, y, block x, y, angle] of held-out gym-pusht resets (seeded), as vectors
+    that `reset_to_state` turns back into exactly those starts (see groundtruth.reset_state)."""
     env = make_env(task.frame_size)
     out = []
     for i in range(episodes):
         env.reset(seed=task.heldout_seed_base + SPLITS["test"] + seed + i)
-        out.append([*env.agent.position, *env.block.position, env.block.angle])
+        out.append(reset_state(env))
     return np.array(out)
 
 
@@ -406,7 +407,7 @@ def reanalyse(path) -> dict:
 
 def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
                reencode: bool = True, reencode_every: int | None = None, stop_untrusted: bool = False,
-               threads: int | None = None):
+               spec: str | None = None, threads: int | None = None):
     """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
     can run it). Returns (scores, seconds per episode, the scores read another way, and for the learned
     world each episode's lowest trust)."""
@@ -417,7 +418,8 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
 
     if threads:
         torch.set_num_threads(threads)
-    task, factory = load_task(task_name), suite()[name]
+    task = load_task(task_name)
+    factory = load_policy_factory(spec) if spec else suite()[name]
     if world == "learned":
         frames, tmin = [], []
         scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames,
@@ -458,14 +460,15 @@ def suite_trust(per: dict) -> dict:
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
               device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True,
-              reencode_every: int | None = None, stop_untrusted: bool = False) -> dict:
+              reencode_every: int | None = None, stop_untrusted: bool = False, extra: dict | None = None) -> dict:
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
     workers > 1 runs that many (policy, world) jobs at once in separate processes (one torch thread
     each), the frame-reading pushers first because they are the slowest: those policies spend most of
     their time in single-threaded numpy, so two workers on a 2-core machine nearly halve the wall time.
-    Every job sees the same starts and seeds either way."""
+    Every job sees the same starts and seeds either way. `extra` adds policies to the suite, name -> spec
+    (MODULE:CALLABLE or a policy's .safetensors, see load_policy_factory)."""
     from tqdm import tqdm
 
     from iws_gym.policies.scripted import suite
@@ -482,18 +485,25 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         raise ValueError(f"unknown policies {unknown}; the suite has {sorted(policies)}")
     if names:
         policies = {k: v for k, v in policies.items() if k in names}
+    extra = dict(extra or {})
+    clash = sorted(set(extra) & set(policies))
+    if clash:
+        raise ValueError(f"added policies {clash} already have those names in the suite")
+    for name, spec in extra.items():
+        load_policy_factory(spec)  # a bad spec fails here, before any job runs
+    policies.update(extra)
     states = start_states(task, episodes, seed)
     t0 = time.time()
     args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every, stop_untrusted)
     jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
     if workers == 1:
-        res = {j: _suite_run(task.name, *j, *args) for j in tqdm(jobs, desc="policy suite (policy x world)")}
+        res = {j: _suite_run(task.name, *j, *args, extra.get(j[0])) for j in tqdm(jobs, desc="policy suite (policy x world)")}
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(_suite_run, task.name, *j, *args, 1): j for j in jobs}
+            futs = {pool.submit(_suite_run, task.name, *j, *args, extra.get(j[0]), 1): j for j in jobs}
             res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
     per = {}
     for name in policies:  # the suite's order, whatever finished first
@@ -512,7 +522,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     overall = suite_figures(per)
     overall["trust"] = suite_trust(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
-                  stop_untrusted=stop_untrusted,
+                  stop_untrusted=stop_untrusted, added_policies=extra,
                   reencode_every=reencode_every if reencode else None, precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),
                   score="max coverage over the episode (Push-T); success = max coverage > 0.95",

@@ -83,6 +83,11 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({e})") from None
 
 
+def release_kind(path: Path) -> str | None:
+    """The kind of model a release file holds ("stage1", "visuomotor", ...). Errors name the file."""
+    return _read_safetensors(Path(path))[0].get("kind")
+
+
 def load_release(path: Path, kind: str, config_cls):
     """-> (config, state_dict (float32), metadata). Errors name the file and what is wrong."""
     path = Path(path)

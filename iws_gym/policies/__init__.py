@@ -1,16 +1,32 @@
 """Policies that act on gym-pusht's observations (`obs["pixels"]`, `obs["agent_pos"]`), usable as
 `iws eval policy --policy iws_gym.policies:NAME`: scripted frame-only pushers and the shipped
-behaviour-cloning policies of the evaluation suite."""
+behaviour-cloning policies of the evaluation suite, and the visuomotor policy (`visuomotor`)."""
 from iws_gym.policies.scripted import (  # noqa: F401
     ExpertPusher, FramePusher, IdlePolicy, JitteryPusher, LazyPusher, RandomPolicy, bc_step300, bc_step1000, bc_step4000, suite,
 )
+from iws_gym.policies.visuomotor import visuomotor  # noqa: F401
+
+
+POLICY_KINDS = {"visuomotor": "iws_gym.policies.visuomotor:VisuomotorPolicy", "bc": "iws_gym.policies.bc:BCPolicy"}
 
 
 def load_policy_factory(spec: str):
-    """MODULE:CALLABLE -> a zero-argument factory of policies. CALLABLE is a class, a factory marked
-    `is_factory`, or a policy object / function (then shared by every episode)."""
+    """MODULE:CALLABLE or a policy's weights (FILE.safetensors, e.g. a checkpoint along `iws train-policy`)
+    -> a zero-argument factory of policies. CALLABLE is a class, a factory marked `is_factory`, or a
+    policy object / function (then shared by every episode)."""
     import importlib
     import inspect
+    from pathlib import Path
+
+    if spec.endswith(".safetensors"):
+        from iws_gym.models.checkpoint import release_kind
+
+        kind = release_kind(Path(spec))
+        if kind not in POLICY_KINDS:
+            raise ValueError(f"cannot load policy {spec!r}: it holds a {kind!r} model, not a policy ({', '.join(POLICY_KINDS)})")
+        mod_name, attr = POLICY_KINDS[kind].split(":")
+        cls = getattr(importlib.import_module(mod_name), attr)
+        return lambda: cls(spec)
 
     if ":" not in spec:
         raise ValueError(f"--policy must be MODULE:CALLABLE, got {spec!r}")

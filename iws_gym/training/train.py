@@ -59,7 +59,7 @@ class TrainArgs:
 def parse_args(stage_name: str, argv) -> tuple[TrainArgs, object]:
     """The loop's TrainArgs and the stage's Options from the command line (`iws train STAGE --help`)."""
     spec = STAGES[stage_name]
-    p = argparse.ArgumentParser(prog=f"iws train {stage_name}", description=spec.__doc__,
+    p = argparse.ArgumentParser(prog="iws train-policy" if stage_name == "policy" else f"iws train {stage_name}", description=spec.__doc__,
                                 formatter_class=HelpFormatter)
     add_dataclass_args(p.add_argument_group("training loop"), TrainArgs, spec.defaults)
     add_dataclass_args(p.add_argument_group(f"{stage_name}"), spec.Options, spec.Options())
@@ -229,6 +229,8 @@ class StageSpec:
 STAGES = {
     "stage1": StageSpec("iws_gym.training.stage1", TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3)),
     "stage2": StageSpec("iws_gym.training.stage2", TrainArgs(out="runs/stage2", steps=6000, batch=32, lr=7e-4)),
+    "policy": StageSpec("iws_gym.training.policy", TrainArgs(data="data/expert", out="runs/visuomotor", steps=12000,
+                                                             batch=64, lr=1e-3, eval_every=2000, ckpt_every=500)),
 }
 
 

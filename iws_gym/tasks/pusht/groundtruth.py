@@ -56,6 +56,20 @@ def get_state(env) -> np.ndarray:
     return np.array([a.x, a.y, b.x, b.y, float(wrap_angle(env.block.angle))])
 
 
+def reset_state(env) -> np.ndarray:
+    """The `reset_to_state` vector that puts a PushTEnv back exactly where `env` is now.
+
+    gym-pusht's `_set_state` places the block's body at p (angle 0) and then turns it about its centre of
+    gravity c, which stays put: the body ends at o = p + c - R(angle) c, not at p. Its own seeded reset goes
+    through the same call, so the vector to record is p = o - c + R(angle) c for the body position o seen
+    now (tests/test_policy_eval.py checks that a seeded reset is reproduced exactly)."""
+    o, th = np.array(env.block.position), float(env.block.angle)
+    c = np.array(env.block.center_of_gravity)
+    rot = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
+    p = o - c + rot @ c
+    return np.array([*env.agent.position, *p, th])
+
+
 def render_state(state, frame_size: int = 128, env=None) -> np.ndarray:
     """Render [agent x, y, block x, y, angle] with gym-pusht's own renderer. Returns (H, W, 3) uint8."""
     env = env or make_env(frame_size)

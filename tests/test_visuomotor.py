@@ -1,0 +1,154 @@
+"""The visuomotor policy (policies/visuomotor.py) and `iws train-policy` (training/policy.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from .conftest import run_iws
+
+
+@pytest.fixture(scope="module")
+def val_dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "val"
+    run_iws("collect", "--episodes", 1, "--steps", 24, "--out", out, "--seed", 900)
+    return out
+
+
+@pytest.fixture(scope="module")
+def policy_run(tiny_dataset, val_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "policy"
+    common = ("--data", f"{tiny_dataset}:2", "--val-data", val_dataset, "--out", out, "--preset", "tiny", "--batch", 8,
+              "--eval-every", 4, "--ckpt-every", 4, "--warmup", 2)
+    run_iws("train-policy", *common, "--steps", 4)
+    resumed = run_iws("train-policy", *common, "--steps", 8)  # an interrupted run continues from last.pt
+    return out, resumed
+
+
+def test_train_policy_resumes_and_writes_releases_along_training(policy_run, tiny_dataset, val_dataset):
+    from iws_gym.models.checkpoint import load_release
+    from iws_gym.policies.visuomotor import VisuomotorConfig
+
+    out, resumed = policy_run
+    assert "resumed" in resumed.stderr and "at step 4" in resumed.stderr
+    assert (out / "visuomotor_step4.safetensors").is_file() and (out / "visuomotor_step8.safetensors").is_file()
+    cfg, _, meta = load_release(out / "visuomotor.safetensors", "visuomotor", VisuomotorConfig)
+    assert meta["step"] == 8 and meta["command"].startswith("iws train-policy")
+    assert meta["data"] == [dict(data=str(tiny_dataset), episodes=2, first=0, seed=7, generated=False, mix="play")]
+    assert meta["val_data"] == str(val_dataset)
+    result = json.loads((out / "train_result.json").read_text())
+    assert np.isfinite(result["eval"]["val_action_err_px_median"])
+
+
+def test_policy_acts_on_any_frame_size_and_executes_chunks(policy_run):
+    """Actions are valid targets; a chunk is sampled once per `execute` steps; reset clears the queue."""
+    from iws_gym.policies import load_policy_factory
+
+    out, _ = policy_run
+    policy = load_policy_factory(str(out / "visuomotor.safetensors"))()
+    calls = []
+    sample = policy.net.sample
+    policy.net.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)
+    rng = np.random.default_rng(0)
+    for size in (96, 128, 64):
+        policy.reset(seed=1)
+        for t in range(policy.cfg.execute + 1):
+            obs = {"pixels": rng.integers(0, 255, (size, size, 3), dtype=np.uint8), "agent_pos": np.array([100.0, 300.0])}
+            a = policy(obs)
+            assert a.shape == (2,) and a.dtype == np.float32 and np.all((a >= 0) & (a <= 512))
+    assert len(calls) == 3 * 2  # per episode: at step 0 and again at step `execute`
+
+
+def test_policy_learns_the_demonstrations():
+    """Fitting one batch of demonstrations drives the sampled chunk toward the demonstrated actions."""
+    import torch
+
+    from iws_gym.policies.visuomotor import VisuomotorConfig, VisuomotorNet
+
+    torch.manual_seed(0)
+    cfg = VisuomotorConfig(ch=16, keypoints=8, hidden=64, head_blocks=1, sample_steps=4, size=32, crop=32)
+    net = VisuomotorNet(cfg)
+    g = torch.Generator().manual_seed(0)
+    frames = torch.rand(8, 1, 3, 32, 32, generator=g) * 2 - 1
+    agent = torch.rand(8, 2, 2, generator=g) * 512
+    actions = agent[:, -1:, :] + torch.linspace(0, 60, cfg.chunk)[None, :, None]  # a straight push from the agent
+    batch = dict(frames=frames, agent=agent, actions=actions)
+
+    def err():
+        return (net.sample(frames, agent, torch.Generator().manual_seed(1)) - actions).norm(dim=-1).mean().item()
+
+    before = err()
+    opt = torch.optim.Adam(net.parameters(), 3e-3)
+    for _ in range(300):
+        loss, _ = net.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert err() < 0.25 * before
+
+
+def test_bad_data_and_policy_specs_are_named(tiny_dataset, tiny_stage1, tmp_path):
+    from iws_gym.policies import load_policy_factory
+    from iws_gym.training.policy import parse_data
+
+    assert [s for _, s in parse_data("a:3,b,c:2-5")] == [slice(0, 3), slice(None), slice(2, 5)]
+    for bad in ("a:x", "a:0", "a:5-2", "a:-3"):
+        with pytest.raises(ValueError, match="positive integer N or a range"):
+            parse_data(bad)
+    with pytest.raises(ValueError, match="not a policy"):
+        load_policy_factory(str(tiny_stage1 / "stage1.safetensors"))
+    bad = run_iws("train-policy", "--data", f"{tiny_dataset}:50", "--out", tmp_path / "p", "--steps", 1, check=False)
+    assert bad.returncode != 0 and "asks for episodes up to 50" in bad.stderr
+    same = run_iws("train-policy", "--data", tiny_dataset, "--val-data", tiny_dataset, "--out", tmp_path / "q",
+                   "--steps", 1, check=False)
+    assert same.returncode != 0 and "also training data" in same.stderr
+
+
+def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_checkpoint, tmp_path):
+    """The data-generation experiment end to end at toy scale; rerunning it reuses every finished step."""
+    from iws_gym.evaluation.datagen import mix_spec
+
+    assert mix_spec("r", "g", 10, 0.5) == "r:0-5,g:5-10" and mix_spec("r", "g", 10, 1.0) == "g:0-10"
+    real = tmp_path / "real"
+    run_iws("collect", "--mix", "expert", "--episodes", 2, "--steps", 6, "--seed", 40, "--out", real)
+    args = ("eval", "datagen", "--real", real, "--out", tmp_path / "dg", "--episodes", 2, "--train-steps", 2,
+            "--eval-episodes", 2, "--horizon", 3, "--preset", "tiny", "--checkpoint", tiny_checkpoint,
+            "--grid", tmp_path / "grid.png", "--json", tmp_path / "dg.json")
+    run_iws(*args)
+    r = json.loads((tmp_path / "dg.json").read_text())
+    assert list(r["policies"]) == ["generated_0pct", "generated_50pct", "generated_100pct"]
+    assert r["policies"]["generated_50pct"]["data"].count(":") == 2 and r["policies"]["generated_0pct"]["episodes"] == 2
+    assert r["generated"]["world_model"]["checkpoint"] == str(tiny_checkpoint) and (tmp_path / "grid.png").is_file()
+    assert isinstance(r["target"]["met"], bool) and len(r["generated_over_real"]["mean_max_coverage_interval"]) == 3
+    stamp = (tmp_path / "dg" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime
+    again = run_iws(*args)
+    assert "train policy" not in again.stderr  # nothing retrained
+    assert (tmp_path / "dg" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime == stamp
+
+
+def test_intervention_episodes_hand_over_to_the_expert_and_only_its_steps_are_imitated(policy_run, tmp_path):
+    """`iws collect --mix intervention`: the learner acts first, then the expert; training skips the learner's steps."""
+    from types import SimpleNamespace
+
+    from iws_gym.data.collect import LEARNER_STEPS, SEGMENT_NAMES
+    from iws_gym.data.episodes import list_episodes, read_episode
+    from iws_gym.training.policy import Stage, Options
+
+    out, _ = policy_run
+    data = tmp_path / "iv"
+    run_iws("collect", "--mix", "intervention", "--policy", out / "visuomotor.safetensors", "--episodes", 2,
+            "--steps", 220, "--seed", 60, "--out", data)
+    learner, expert = SEGMENT_NAMES.index("learner"), SEGMENT_NAMES.index("expert")
+    imitated = 0
+    for p in list_episodes(data):
+        ep = read_episode(p)
+        seg = ep["segments"]
+        n = int((seg == learner).sum())
+        assert LEARNER_STEPS[0] <= n < LEARNER_STEPS[1] and np.all(seg[:n] == learner) and np.all(seg[n:] == expert)
+        assert ep["attrs"]["plan"].startswith(f"learner:{n}") and ep["attrs"]["learner"] == str(out / "visuomotor.safetensors")
+        imitated += len(seg) - n
+    a = SimpleNamespace(data=str(data), max_episodes=None)
+    stage = Stage(a, Options(preset="tiny"), "cpu")
+    assert len(stage.index) == imitated
+    assert all(stage.train[e]["imitate"][t] for e, t in stage.index)
+    bad = run_iws("collect", "--mix", "intervention", "--episodes", 1, "--out", tmp_path / "x", check=False)
+    assert bad.returncode == 2 and "needs --policy" in bad.stderr
