@@ -152,3 +152,13 @@ def test_intervention_episodes_hand_over_to_the_expert_and_only_its_steps_are_im
     assert all(stage.train[e]["imitate"][t] for e, t in stage.index)
     bad = run_iws("collect", "--mix", "intervention", "--episodes", 1, "--out", tmp_path / "x", check=False)
     assert bad.returncode == 2 and "needs --policy" in bad.stderr
+
+
+def test_the_shipped_policy_is_a_zero_argument_factory():
+    import iws_gym.policies as policies
+
+    policy = policies.load_policy_factory("iws_gym.policies:visuomotor")()
+    assert policy.meta["command"].startswith("iws train-policy") and policy.meta["data"][0]["seed"] == 200000
+    policy.reset(seed=0)
+    a = policy({"pixels": np.full((96, 96, 3), 255, np.uint8), "agent_pos": np.array([256.0, 256.0])})
+    assert a.shape == (2,) and np.all((a >= 0) & (a <= 512))
