@@ -95,7 +95,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     actions, contacts, segments = [], [], []
     coverage[0] = float(env._get_coverage())
     stopped = False
-    for name, behaviour, n in plan:
+    for k, (name, behaviour, n) in enumerate(plan):
         for _ in range(n):
             if getattr(behaviour, "reads_obs", False):
                 a = behaviour.act_obs(obs)
@@ -113,8 +113,8 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             if stopped:
                 break
         if stopped:  # the plan as executed: the segments before, and this one cut short
-            done = sum(k for _, _, k in plan[: plan.index((name, behaviour, n))])
-            plan = plan[: plan.index((name, behaviour, n))] + [(name, behaviour, len(actions) - done)]
+            done = sum(m for _, _, m in plan[:k])
+            plan = plan[:k] + [(name, behaviour, len(actions) - done)]
             break
     return dict(
         frames=np.stack(frames), actions=np.stack(actions), agent_pos=np.stack(agent_pos),

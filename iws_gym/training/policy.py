@@ -63,6 +63,7 @@ class Stage(StageBase):
 
     def __init__(self, a, o, device):
         self.a, self.o, self.device = a, o, device
+        self._step = 0  # the loop's step, kept by after_step (snapshots are named by it)
         sources = parse_data(a.data)
         self.meta = load_meta(sources[0][0])
         self.task = load_task(self.meta["task"])
@@ -146,7 +147,6 @@ class Stage(StageBase):
     def evaluate(self, ema) -> dict:
         out = {}
         if self.val is not None:
-            rng = np.random.default_rng(0)
             pairs = [(e, t) for e in range(len(self.val)) for t in range(0, len(self.val[e]["actions"]), 4)]
             b = self._windows(self.val, pairs)
             gen = torch.Generator().manual_seed(0)
@@ -154,8 +154,9 @@ class Stage(StageBase):
             err = (chunk.float() - b["actions"][:, : self.config.execute]).norm(dim=-1)
             out["val_action_err_px_median"] = err.median().item()
             out["val_action_err_px_mean"] = err.mean().item()
-            torch.manual_seed(int(rng.integers(1 << 30)))
-            logs = ema.loss(b)[1]
+            with torch.random.fork_rng():  # the same draws at every evaluation, training's RNG untouched
+                torch.manual_seed(0)
+                logs = ema.loss(b)[1]
             out["val_flow_mse"] = logs["flow_mse"]
             if "pose_mse" in logs:
                 out["val_pose_mse"] = logs["pose_mse"]
@@ -164,7 +165,7 @@ class Stage(StageBase):
 
     def _snapshot(self, ema, metrics):
         """The EMA weights at this step, as a release (checkpoints along training)."""
-        step = getattr(self, "_step", None)
+        step = self._step
         if step:
             save_release(Path(self.a.out) / f"visuomotor_step{step}.safetensors", ema.state_dict(), "visuomotor",
                          self.config, self._provenance(step, metrics))
