@@ -51,6 +51,9 @@ class TrainArgs:
     seed: int = arg(0, "seed of the batch sampler and the initialisation")
     max_episodes: int | None = arg(None, "load only the first N episodes (quick runs)")
     max_minutes: float | None = arg(None, "stop after the first checkpoint past this much wall time (resume later)")
+    time_schedule: bool = arg(False, "with --max-minutes: the learning rate decays over whichever of --steps and "
+                                     "--max-minutes ends first, so a run cut by time still ends at its lowest rate "
+                                     "(a fixed compute budget, as on a lent GPU)")
     device: str = arg("auto", "auto (CUDA if present, else CPU) | cpu | cuda | cuda:N")
     amp: bool = arg(True, "bf16 autocast where the hardware runs bf16 natively (AMX / AVX512-BF16 CPUs, CUDA); "
                           "fp32 elsewhere, where bf16 is emulated and slower")
@@ -76,10 +79,12 @@ def update_ema(target: torch.nn.Module, source: torch.nn.Module, rate: float) ->
             t.copy_(s)
 
 
-def lr_at(step: int, a: TrainArgs) -> float:
+def lr_at(step: int, a: TrainArgs, time_progress: float = 0.0) -> float:
+    """Linear warm-up, then cosine to 10% over the steps (or over the time budget, `time_progress` in [0, 1],
+    when that ends first)."""
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
-    progress = (step - a.warmup) / max(1, a.steps - a.warmup)
+    progress = max((step - a.warmup) / max(1, a.steps - a.warmup), time_progress)
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
@@ -159,18 +164,35 @@ def run(stage_name: str, a: TrainArgs, o, argv=None) -> dict:
     t0 = time.time()
     bar = tqdm(total=a.steps, initial=step, desc=f"train {stage_name}", disable=not master, dynamic_ncols=True)
     metrics, logs = {}, {}
-    stopped_early = False
+    stopped_early = budget_spent = False
+    if a.time_schedule and a.max_minutes is None:
+        raise ValueError("--time-schedule needs --max-minutes (the budget the schedule runs over)")
+
+    def time_progress():
+        if not a.time_schedule:
+            return 0.0
+        p = (wall_before + time.time() - t0) / 60 / a.max_minutes
+        if ddp:  # every process must decay and stop at the same step: rank 0's clock decides
+            t = torch.tensor([p], device=device)
+            dist.broadcast(t, 0)
+            p = float(t)
+        return p
+
     while step < a.steps:
+        progress = time_progress()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, a)
+            g["lr"] = lr_at(step, a, progress)
         if master and step > 0 and step % a.eval_every == 0:
             metrics = evaluate()
             bar.write(f"step {step}: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         if step > 0 and step % a.ckpt_every == 0:
             save()
-            if a.max_minutes is not None and (time.time() - t0) / 60 > a.max_minutes:
+            if a.max_minutes is not None and not a.time_schedule and (time.time() - t0) / 60 > a.max_minutes:
                 stopped_early = True
                 break
+        if progress >= 1.0:  # the budget is spent and the rate at its floor: done
+            budget_spent = True
+            break
         batch = stage.sample_batch(rng, a.batch)
         with amp:
             loss, logs = net(batch, step)
@@ -186,7 +208,7 @@ def run(stage_name: str, a: TrainArgs, o, argv=None) -> dict:
             for k, v in logs.items():
                 writer.add_scalar(f"train/{k}", v, step)
             writer.add_scalar("train/grad_norm", float(gnorm), step)
-            writer.add_scalar("train/lr", lr_at(step, a), step)
+            writer.add_scalar("train/lr", opt.param_groups[0]["lr"], step)
             bar.set_postfix({k: f"{v:.4g}" for k, v in list(logs.items())[:3]})
     bar.close()
     save()
@@ -195,6 +217,7 @@ def run(stage_name: str, a: TrainArgs, o, argv=None) -> dict:
         metrics = evaluate()
         wall = wall_before + time.time() - t0
         result = dict(stage=stage_name, step=step, wall_s=round(wall, 1), eval=metrics, finished=not stopped_early,
+                      **(dict(time_budget_spent=True) if budget_spent else {}),
                       command=" ".join(["iws", "train", stage_name, *map(str, argv or [])]),
                       args=args, world_size=world, device=str(device),
                       precision=dtype_name(compute_dtype(device, a.amp)))
