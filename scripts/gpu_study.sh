@@ -8,8 +8,10 @@
 #   IWS_STUDY_SCALE=tiny scripts/gpu_study.sh OUT     # the same steps at toy scale on a CPU (tests run this)
 #
 # Work happens in $IWS_STUDY_WORK (default /tmp/iws_study); rerunning resumes (a finished step is skipped).
-# OUT receives what comes back: weights_*.tar (releases), reports.tar (train results, fidelity and
-# stability JSONs, grids, logs, TensorBoard), machine.json. Nothing here needs a GPU.
+# OUT receives what comes back, each file as soon as it exists (so a run cut short still returns what it
+# finished): study.log (the machine, each step's time), stage1.safetensors, s2_NAME.safetensors per variant,
+# reports.tar.gz (train results, fidelity and stability JSONs, grids, logs, TensorBoard). Nothing here
+# needs a GPU.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_study.sh OUT}
 SCALE=${IWS_STUDY_SCALE:-gpu}
@@ -42,14 +44,14 @@ COMMON=(--agent-track --focus 0.5 --jump-focus 0.3 --drop-agent 0.2 --corrupt-bl
 WORKERS=$(nproc)
 export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
 
-python3 - <<'PY' > "$OUT/machine.json"
+python3 - <<'PY' > "$OUT/study.log"
 import json, os, platform, torch
 print(json.dumps(dict(torch=torch.__version__, cuda=torch.cuda.is_available(),
                       gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                       cores=os.cpu_count(), machine=platform.machine())))
 PY
 T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$WORK/study.log"; }
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/study.log"; }
 
 # 1. data: scripted play, on every core
 if [ ! -f "$WORK/data/dataset.json" ]; then
@@ -69,6 +71,7 @@ if [ ! -f "$WORK/stage1/train_result.json" ]; then
   $IWS train stage1 --data "$WORK/data" --out "$WORK/stage1" --preset "$P1" --crop 0 --batch "$B1" \
     --steps 100000 --max-minutes "$MIN1" --time-schedule --eval-every 1000 --ckpt-every 500 \
     > "$WORK/stage1.log" 2>&1 || { stamp "stage1 failed"; tail -20 "$WORK/stage1.log"; exit 1; }
+  cp "$WORK/stage1/stage1.safetensors" "$OUT/"
 fi
 
 # 3. stage 2: every variant at once, the same budget each; with IWS_STUDY_DEADLINE (seconds since the
@@ -82,9 +85,12 @@ for v in "${VARIANTS[@]}"; do
   name=${v%%|*}; flags=${v#*|}
   [ -f "$WORK/s2_$name/train_result.json" ] && continue
   # shellcheck disable=SC2086
-  $IWS train stage2 --data "$WORK/data" --init "$WORK/stage1" --out "$WORK/s2_$name" --preset "$P2" \
-    --batch "$B2" --steps 100000 --max-minutes "$MIN2" --time-schedule --eval-every 2000 --ckpt-every 500 \
-    "${COMMON[@]}" $flags > "$WORK/s2_$name.log" 2>&1 &
+  ( timeout "$(python3 -c "print(int($MIN2 * 60 + 150))")" \
+      $IWS train stage2 --data "$WORK/data" --init "$WORK/stage1" --out "$WORK/s2_$name" --preset "$P2" \
+      --batch "$B2" --steps 100000 --max-minutes "$MIN2" --time-schedule --eval-every 2000 --ckpt-every 500 \
+      "${COMMON[@]}" $flags > "$WORK/s2_$name.log" 2>&1 \
+    && cp "$WORK/s2_$name/stage2.safetensors" "$OUT/s2_$name.safetensors" && stamp "$name trained" ) &
+  sleep 20  # the first builds the shared latent caches while the others load the dataset
 done
 wait
 stamp "stage2 done"
@@ -104,12 +110,8 @@ done
 wait
 stamp "evaluations done"
 
-# 5. what comes back: weights in two tars (16 MB per file), everything else in one
+# 5. everything else in one file
 cd "$WORK"
-names=(); for v in "${VARIANTS[@]}"; do names+=("${v%%|*}"); done
-half=$(( (${#names[@]} + 1) / 2 ))
-tar cf "$OUT/weights_a.tar" stage1/stage1.safetensors $(for n in "${names[@]:0:$half}"; do echo "s2_$n/stage2.safetensors"; done) 2>/dev/null
-tar cf "$OUT/weights_b.tar" $(for n in "${names[@]:$half}"; do echo "s2_$n/stage2.safetensors"; done) 2>/dev/null
 tar czf "$OUT/reports.tar.gz" --exclude='*.safetensors' --exclude='last.pt' study.log collect.log stage1.log s2_*.log \
   release stage1/train_result.json stage1/tb s2_*/train_result.json s2_*/tb 2>/dev/null
 stamp "packed: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,7 +1,10 @@
 
+import os
+
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from iws_gym.data.collect import collect, collect_episode, heldout_episodes
 from iws_gym.data.episodes import (DatasetError, InMemoryEpisodes, episode_path, list_episodes, load_meta, read_episode,
@@ -233,3 +236,26 @@ def test_resume_refuses_another_seed_or_mix_and_keeps_the_episodes(tmp_path):
     proc = run_iws("collect", "--episodes", 2, "--steps", 4, "--seed", 3, "--mix", "jittery", "--resume", "--out", out, check=False)
     assert proc.returncode == 2 and "cannot resume" in proc.stderr and "--mix jittery" in proc.stderr
     assert episode_path(out, 0).stat().st_mtime_ns == stamp and not episode_path(out, 1).exists()
+
+
+def test_augmentation_renders_are_the_same_on_several_processes(tiny_dataset):
+    from iws_gym.data.episodes import list_episodes, read_episode
+    from iws_gym.data.latents import agent_erased_latents, block_corrupted_latents
+
+    eps = [read_episode(p) for p in list_episodes(tiny_dataset)[:2]]
+    enc = lambda x: x[:, :, ::8, ::8]  # noqa: E731 - a stand-in encoder: the frames, subsampled
+    runs = [(agent_erased_latents([e["block_pose"] for e in eps], enc, "cpu", False, workers=w),
+             block_corrupted_latents(*[[e[k] for e in eps] for k in ("frames", "agent_pos", "block_pose")], enc, "cpu",
+                                     False, workers=w)) for w in (1, 2)]
+    for one, two in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(one, two)) and len(one) == 2
+
+
+def test_atomic_saves_of_one_file_by_several_writers_leave_no_temporary_file(tmp_path):
+    from iws_gym.models.checkpoint import _tmp_name, atomic_torch_save
+
+    path = tmp_path / "latents.pt"
+    assert _tmp_name(path) != path.with_name(path.name + ".tmp") and str(os.getpid()) in _tmp_name(path).name
+    atomic_torch_save({"a": 1}, path)
+    atomic_torch_save({"a": 2}, path)
+    assert torch.load(path)["a"] == 2 and [p.name for p in tmp_path.iterdir()] == ["latents.pt"]

@@ -56,3 +56,20 @@ def test_gpu_script_runs_at_toy_scale_on_a_cpu(tmp_path):
     r = json.loads((tmp_path / "fidelity_validation.json").read_text())
     assert r["split"] == "validation" and "t_whole_share" in r["summary"]["model"]
     assert json.loads(Path(tmp_path / "machine.json").read_text())["cores"] >= 1
+
+
+@pytest.mark.slow
+def test_gpu_study_script_runs_at_toy_scale_on_a_cpu(tmp_path):
+    env = {**os.environ, "IWS_STUDY_SCALE": "tiny", "IWS_STUDY_WORK": str(tmp_path / "work"), "OMP_NUM_THREADS": "1",
+           "IWS": f"{os.sys.executable} -m iws_gym.cli"}
+    subprocess.run(["bash", str(ROOT / "scripts" / "gpu_study.sh"), str(tmp_path / "out")], check=True, env=env,
+                   cwd=ROOT, capture_output=True, timeout=900)
+    out = tmp_path / "out"
+    names = ("consistency", "consistency_df", "transport_gated_df")
+    assert all((out / f"s2_{n}.safetensors").is_file() for n in names) and (out / "stage1.safetensors").is_file()
+    log = (out / "study.log").read_text()
+    assert json.loads(log.splitlines()[0])["cores"] >= 1 and "evaluations done" in log
+    for n in names:  # each variant trained to its time budget and was measured
+        r = json.loads((tmp_path / "work" / "release" / n / "fidelity_val_h64.json").read_text())
+        assert "t_whole_share" in r["summary"]["model"]
+        assert json.loads((tmp_path / "work" / f"s2_{n}" / "train_result.json").read_text())["time_budget_spent"]

@@ -204,3 +204,19 @@ def test_export_release_writes_a_running_stage_and_keeps_existing_files(tiny_sta
     Stage1(cfg).load_state_dict({k: v.float() for k, v in sd.items()})  # a complete, loadable stage
     proc = run_iws("export", "release", "--run", tiny_stage1, "--out", out, check=False)
     assert proc.returncode != 0 and "exists" in proc.stderr
+
+
+def test_time_schedule_decays_over_the_budget_and_ends_at_its_floor(tiny_dataset, tmp_path):
+    from iws_gym.training.train import TrainArgs, lr_at
+
+    a = TrainArgs(lr=1.0, warmup=2, steps=1000, max_minutes=1.0, time_schedule=True)
+    assert lr_at(0, a) == 0.5 and lr_at(500, a, 0.0) > 0.5  # warm-up, then the step schedule ...
+    assert abs(lr_at(10, a, 1.0) - 0.1) < 1e-9 and lr_at(10, a, 0.5) < lr_at(10, a, 0.1)  # ... or the clock's, earlier
+    args = ["train", "stage1", "--data", tiny_dataset, "--out", tmp_path / "run", "--steps", 100000, "--batch", 2,
+            "--preset", "tiny", "--crop", 32, "--eval-every", 100000, "--ckpt-every", 100000, "--warmup", 1]
+    bad = run_iws(*args, "--time-schedule", check=False)
+    assert bad.returncode == 2 and "--time-schedule needs --max-minutes" in bad.stderr
+    run_iws(*args, "--time-schedule", "--max-minutes", 0.05)  # 3 s of training: done, at the floor, released
+    r = json.loads((tmp_path / "run" / "train_result.json").read_text())
+    assert r["finished"] and r["time_budget_spent"] and 0 < r["step"] < 100000
+    assert (tmp_path / "run" / "stage1.safetensors").is_file()

@@ -8,6 +8,7 @@ position in each context frame (for a model with an agent track), and the latent
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -154,37 +155,80 @@ class LatentEpisodes:
         return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv), agent
 
 
-def agent_erased_latents(block_poses, encoder, device, amp: bool = True, cache: Path | None = None,
-                         frame_size: int = 128) -> list[torch.Tensor]:
-    """Per episode, the latents of its frames re-rendered without the agent (exact renders of the
-    recorded block poses: identical to the real frames away from the agent), for `drop_agent`.
-    About 2 ms per frame to render; cached like the latents."""
+_ENVS: dict = {}  # one gym-pusht renderer per frame size and process
+
+
+def _env(frame_size: int):
+    from iws_gym.tasks.pusht.groundtruth import make_env
+
+    if frame_size not in _ENVS:
+        _ENVS[frame_size] = make_env(frame_size)
+    return _ENVS[frame_size]
+
+
+def _erased_frames(block_pose, frame_size):
+    from iws_gym.tasks.pusht.groundtruth import render_without_agent
+
+    return render_without_agent(block_pose, frame_size, _env(frame_size))
+
+
+def _corrupted_frames(frames, agent_pos, block_pose, seed, e, frame_size):
+    from iws_gym.tasks.pusht.groundtruth import corrupt_block
+
+    return corrupt_block(frames, agent_pos, block_pose, np.random.default_rng([seed, e]), frame_size, _env(frame_size))
+
+
+def _call(job):
+    fn, args = job
+    return fn(*args)
+
+
+def render_workers() -> int:
+    """Processes that render augmentation frames: every core (rendering is one-threaded Python)."""
+    return max(1, min(os.cpu_count() or 1, 32))
+
+
+def _rendered(fn, jobs: list, desc: str, workers: int):
+    """fn(*job) for each job, in order, on `workers` processes when > 1 (gym-pusht renders about 2 ms per
+    frame on one core: a 600-episode dataset is minutes on one process, seconds on many)."""
     from tqdm import tqdm
 
-    from iws_gym.tasks.pusht.groundtruth import make_env, render_without_agent
+    if workers <= 1:
+        yield from (fn(*j) for j in tqdm(jobs, desc=desc, unit="ep"))
+        return
+    import multiprocessing as mp
+
+    # fork, as `iws collect`, unless the parent holds CUDA, which a forked child must not inherit
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    with ctx.Pool(min(workers, len(jobs))) as pool:
+        yield from tqdm(pool.imap(_call, [(fn, j) for j in jobs]), total=len(jobs), desc=desc, unit="ep")
+
+
+def agent_erased_latents(block_poses, encoder, device, amp: bool = True, cache: Path | None = None,
+                         frame_size: int = 128, workers: int = 1) -> list[torch.Tensor]:
+    """Per episode, the latents of its frames re-rendered without the agent (exact renders of the
+    recorded block poses: identical to the real frames away from the agent), for `drop_agent`.
+    Rendered on `workers` processes; cached like the latents."""
 
     def build():
-        env = make_env(frame_size)
-        return [encode_frames(render_without_agent(p, frame_size, env), encoder, device, amp)
-                for p in tqdm(block_poses, desc="latents without the agent", unit="ep")]
+        return [encode_frames(f, encoder, device, amp)
+                for f in _rendered(_erased_frames, [(p, frame_size) for p in block_poses], "latents without the agent",
+                                   workers)]
 
     return cached_episode_latents(cache, [len(p) for p in block_poses], build)
 
 
 def block_corrupted_latents(frames, agent_pos, block_poses, encoder, device, amp: bool = True,
-                            cache: Path | None = None, frame_size: int = 128, seed: int = 0) -> list[torch.Tensor]:
+                            cache: Path | None = None, frame_size: int = 128, seed: int = 0,
+                            workers: int = 1) -> list[torch.Tensor]:
     """Per episode, the latents of its frames with the block faded or ghosted (`groundtruth.corrupt_block`,
-    exact re-renders, seeded by (seed, episode)), for `corrupt_block`. Cached like the latents."""
-    from tqdm import tqdm
-
-    from iws_gym.tasks.pusht.groundtruth import corrupt_block, make_env
+    exact re-renders, seeded by (seed, episode)), for `corrupt_block`. Rendered on `workers` processes;
+    cached like the latents."""
 
     def build():
-        env = make_env(frame_size)
-        return [encode_frames(corrupt_block(fr, ap, bp, np.random.default_rng([seed, e]), frame_size, env),
-                              encoder, device, amp)
-                for e, (fr, ap, bp) in enumerate(tqdm(list(zip(frames, agent_pos, block_poses)),
-                                                      desc="latents with a corrupted block", unit="ep"))]
+        jobs = [(fr, ap, bp, seed, e, frame_size) for e, (fr, ap, bp) in enumerate(zip(frames, agent_pos, block_poses))]
+        return [encode_frames(f, encoder, device, amp)
+                for f in _rendered(_corrupted_frames, jobs, "latents with a corrupted block", workers)]
 
     return cached_episode_latents(cache, [len(f) for f in frames], build)
 

@@ -42,11 +42,20 @@ def config_from_dict(cls, d: dict, where: str = "config"):
     return cls(**kw)
 
 
+def _tmp_name(path: Path) -> Path:
+    """A temporary name beside `path` that no other process writing the same file uses (runs that share a
+    dataset build its latent cache at once: each writes its own file, and the last rename wins)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def atomic_torch_save(obj, path: Path) -> None:
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    tmp = _tmp_name(path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def save_release(path: Path, state_dict: dict, kind: str, config, extra: dict | None = None,
@@ -65,9 +74,12 @@ def _write_safetensors(path: Path, tensors: dict, meta: dict) -> None:
     """Atomic write: a temporary file renamed over `path`, so a crash never leaves half a checkpoint."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    tmp = _tmp_name(path)
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _read_safetensors(path: Path) -> tuple[dict, dict]:

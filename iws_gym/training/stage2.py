@@ -16,7 +16,7 @@ import torch
 from iws_gym import metrics
 from iws_gym.data.collect import heldout_episodes
 from iws_gym.data.episodes import InMemoryEpisodes, read_episode
-from iws_gym.data.latents import (LatentEpisodes, agent_erased_latents, agent_jumps, block_corrupted_latents,
+from iws_gym.data.latents import (LatentEpisodes, agent_erased_latents, agent_jumps, block_corrupted_latents, render_workers,
                                   latent_cache, moving_transitions)
 from iws_gym.models.checkpoint import find_release, git_commit, load_release, load_stage, load_state_checked, save_release
 from iws_gym.models.decoder import Stage1, Stage1Config, decode
@@ -187,11 +187,13 @@ class Stage(StageBase):
                 lat.agent = [s["agent_pos"] for s in states]
             if o.drop_agent > 0:
                 cache = latent_cache(data, self.stage1_file, len(eps.frames), "noagent")
-                lat.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache, cfg1.encoder.frame_size)
+                lat.erased = agent_erased_latents(poses, self.stage1.encoder, device, a.amp, cache, cfg1.encoder.frame_size,
+                                                  workers=render_workers())
             if o.corrupt_block > 0:
                 cache = latent_cache(data, self.stage1_file, len(eps.frames), "corruptblock")
                 lat.corrupted = block_corrupted_latents(eps.frames, [s["agent_pos"] for s in states], poses,
-                                                        self.stage1.encoder, device, a.amp, cache, cfg1.encoder.frame_size)
+                                                        self.stage1.encoder, device, a.amp, cache, cfg1.encoder.frame_size,
+                                                        workers=render_workers())
         return lat, poses
 
     def _eval_windows(self, device):
