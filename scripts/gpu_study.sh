@@ -90,7 +90,13 @@ for v in "${VARIANTS[@]}"; do
       --batch "$B2" --steps 100000 --max-minutes "$MIN2" --time-schedule --eval-every 2000 --ckpt-every 500 \
       "${COMMON[@]}" $flags > "$WORK/s2_$name.log" 2>&1 \
     && cp "$WORK/s2_$name/stage2.safetensors" "$OUT/s2_$name.safetensors" && stamp "$name trained" ) &
-  sleep 20  # the first builds the shared latent caches while the others load the dataset
+  if [ "$name" = "${VARIANTS[0]%%|*}" ]; then  # the first builds the latent caches (every core renders) ...
+    for _ in $(seq 240); do
+      [ -n "$(ls "$WORK"/data/latents_corruptblock_* 2>/dev/null)" ] && break
+      kill -0 $! 2>/dev/null || break; sleep 1
+    done
+    stamp "latent caches built"
+  fi  # ... which the others then load
 done
 wait
 stamp "stage2 done"
