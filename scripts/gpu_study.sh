@@ -39,8 +39,8 @@ else
     "transport_gated_df|$DN --ctx-noise per_frame --transport --flow-gate 0.02"
   )
 fi
-# the shipped recipe's data options (docs/training.md), common to every variant
-COMMON=(--agent-track --focus 0.5 --jump-focus 0.3 --drop-agent 0.2 --corrupt-block 0.2)
+# the shipped recipe's data options (docs/training.md; `iws train recipe` holds them), common to every variant
+read -ra COMMON <<< "$(python3 -c 'from iws_gym.training.recipe import STAGE2_RECIPE; print(*STAGE2_RECIPE)')"
 WORKERS=$(nproc)
 export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
 
@@ -118,6 +118,6 @@ stamp "evaluations done"
 
 # 5. everything else in one file
 cd "$WORK"
-tar czf "$OUT/reports.tar.gz" --exclude='*.safetensors' --exclude='last.pt' study.log collect.log stage1.log s2_*.log \
+tar czf "$OUT/reports.tar.gz" --exclude='*.safetensors' --exclude='last.pt' collect.log stage1.log s2_*.log \
   release stage1/train_result.json stage1/tb s2_*/train_result.json s2_*/tb 2>/dev/null
 stamp "packed: $(ls "$OUT" | tr '\n' ' ')"
