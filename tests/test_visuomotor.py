@@ -162,3 +162,34 @@ def test_the_shipped_policy_is_a_zero_argument_factory():
     policy.reset(seed=0)
     a = policy({"pixels": np.full((96, 96, 3), 255, np.uint8), "agent_pos": np.array([256.0, 256.0])})
     assert a.shape == (2,) and np.all((a >= 0) & (a <= 512))
+
+
+def test_policy_diagnosis_script_runs_its_four_parts(tiny_dataset, val_dataset, tmp_path):
+    """scripts/policy_diagnosis.py (docs/experiments.md, "Imitating the planning expert") at toy scale: the state
+    head trains, acts in gym-pusht, is relabelled by the expert (one label per executed chunk) and retrains on
+    the labels; the pose CNN writes its validation errors."""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "policy_diagnosis.py"), *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+
+    head, labels = tmp_path / "state.pt", tmp_path / "dagger.npz"
+    run("train-state", "--data", tiny_dataset, "--steps", 2, "--batch", 8, "--out", head)
+    run("dagger", "--head", head, "--episodes", 1, "--horizon", 9, "--out", labels)
+    d = np.load(labels)
+    assert d["A"].shape == (2, 16, 2) and d["P"].shape == (2, 2, 2) and d["B"].shape == (2, 3)  # chunk starts 0 and 8
+    assert np.isfinite(d["A"]).all() and (d["A"] >= 0).all() and (d["A"] <= 512).all()
+    run("summarize", "--labels", labels, "--json", tmp_path / "d.json")
+    assert json.loads((tmp_path / "d.json").read_text())["labels"] == 2
+    run("train-state", "--data", tiny_dataset, "--labels", labels, "--steps", 2, "--batch", 8, "--out", tmp_path / "s2.pt")
+    run("eval", "--head", tmp_path / "s2.pt", "--episodes", 1, "--horizon", 4, "--json", tmp_path / "e.json")
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["episodes"] == 1 and 0 <= report["mean_max_coverage"] <= 1 and report["head_args"]["labels"] == str(labels)
+    run("pose", "--data", tiny_dataset, "--val-data", val_dataset, "--steps", 1, "--batch", 4, "--json", tmp_path / "p.json")
+    pose = json.loads((tmp_path / "p.json").read_text())
+    assert set(pose["val_errors_by_step"]["1"]) == {"px_median", "px_p90", "rad_median", "rad_p90"}
