@@ -103,9 +103,17 @@ def train_state(a):
 
 
 def load_head(path):
+    """-> (the head, the `train-state` arguments it was trained with)."""
+    saved = torch.load(path)
     head = FlowHead(HEAD, 2 * N_OBS + 4)
-    head.load_state_dict(torch.load(path)["state_dict"])
-    return head.eval()
+    head.load_state_dict(saved["state_dict"])
+    return head.eval(), saved["args"]
+
+
+def act_chunk(head, agents, block, gen, temperature=1.0) -> np.ndarray:
+    """The EXECUTE targets the head samples for one state: the last N_OBS agent positions, the block's pose."""
+    c = state_cond(torch.tensor(np.stack(agents), dtype=torch.float32)[None], torch.tensor(block, dtype=torch.float32)[None])
+    return sample_chunk(head, c, gen, temperature)[0, :EXECUTE].numpy()
 
 
 class StatePolicy:
@@ -127,9 +135,7 @@ class StatePolicy:
         if not self.queue:
             if self.block is None:
                 return agent.astype(np.float32)
-            c = state_cond(torch.tensor(np.stack(self.agents), dtype=torch.float32)[None],
-                           torch.tensor(self.block, dtype=torch.float32)[None])
-            self.queue.extend(sample_chunk(self.head, c, self.gen, self.temperature)[0, :EXECUTE].numpy())
+            self.queue.extend(act_chunk(self.head, self.agents, self.block, self.gen, self.temperature))
         return self.queue.popleft().astype(np.float32)
 
 
@@ -137,12 +143,12 @@ def evaluate(a):
     from iws_gym.envs.registry import load_task
     from iws_gym.evaluation.policy_eval import _summary, run_ground_truth, start_states
 
-    head, task = load_head(a.head), load_task("tpushing")
+    (head, head_args), task = load_head(a.head), load_task("tpushing")
     states = start_states(task, a.episodes, 0)
     scores, spe = run_ground_truth(task, lambda: StatePolicy(head, a.temperature), states, a.horizon, 0)
     out = dict(command="python scripts/policy_diagnosis.py eval " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
                                                                         if k not in ("cmd", "func")),
-               head=a.head, head_args=torch.load(a.head)["args"], temperature=a.temperature, horizon=a.horizon,
+               head=a.head, head_args=head_args, temperature=a.temperature, horizon=a.horizon,
                max_coverage_quantiles={q: float(np.quantile(scores, q)) for q in (0.25, 0.5, 0.75, 0.9)},
                share_above={t: float((scores > t).mean()) for t in (0.8, 0.9, 0.95)},
                **_summary(scores), seconds_per_episode=spe, scores=scores.tolist())
@@ -155,7 +161,7 @@ def dagger(a):
     from iws_gym.tasks.pusht.expert import PlanningPusher
     from iws_gym.tasks.pusht.groundtruth import get_state, make_env
 
-    head, env = load_head(a.head), make_env(128)
+    (head, _), env = load_head(a.head), make_env(128)
     P, B, A, scores, t0 = [], [], [], [], time.time()
     for i in range(a.episodes):
         seed = a.seed + i
@@ -177,8 +183,7 @@ def dagger(a):
                 if rng.random() < a.beta:  # now and then the expert's chunk is executed, to reach later states
                     queue = list(np.asarray(label[:EXECUTE]))
                 else:
-                    c = state_cond(torch.tensor(np.stack(agents), dtype=torch.float32)[None], torch.tensor(s[2:5], dtype=torch.float32)[None])
-                    queue = list(sample_chunk(head, c, gen)[0, :EXECUTE].numpy())
+                    queue = list(act_chunk(head, agents, s[2:5], gen))
             _, _, term, _, info = env.step(np.asarray(queue.pop(0), np.float32))
             best = max(best, info["coverage"])
             if term:
@@ -190,11 +195,12 @@ def dagger(a):
 
 
 def summarize(a):
+    from iws_gym.evaluation.policy_eval import _summary
+
     d = np.load(a.labels)
     s = d["scores"]
     out = dict(command=f"python scripts/policy_diagnosis.py summarize --labels {a.labels} --json {a.json}", labels=int(len(d["A"])),
-               episodes=int(len(s)), mean_max_coverage=float(s.mean()), success_rate=float((s > 0.95).mean()),
-               share_above_0_9=float((s > 0.9).mean()), scores=s.tolist())
+               **_summary(s), share_above_0_9=float((s > 0.9).mean()), scores=s.tolist())
     print(json.dumps({k: v for k, v in out.items() if k != "scores"}))
     Path(a.json).write_text(json.dumps(out, indent=1))
 
