@@ -172,6 +172,12 @@ def cmd_train_policy(a):
     train_main("policy", a.rest[1:] if a.rest[:1] == ["--"] else a.rest)
 
 
+def cmd_dagger(a):
+    from iws_gym.data.dagger import collect_labels
+
+    _emit(collect_labels(a.policy, a.episodes, a.seed, a.out, horizon=a.horizon, beta=a.beta, task_name=a.task), a.json)
+
+
 def cmd_train_bc(a):
     from iws_gym.policies.bc import train_bc
 
@@ -284,6 +290,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the visuomotor policy (iws_gym.policies:visuomotor) on demonstrations; resumes from OUT/last.pt")
     tp.add_argument("rest", nargs=argparse.REMAINDER, help="see `iws train-policy --help`")
     tp.set_defaults(fn=cmd_train_policy)
+
+    dg = sub.add_parser("dagger", help="the planning expert's corrections on a pose-bottleneck policy's own states "
+                                       "(labels for `iws train-policy --labels`)")
+    dg.add_argument("--task", default="tpushing")
+    dg.add_argument("--policy", required=True, help="the learner: a pose-bottleneck policy release (.safetensors)")
+    dg.add_argument("--episodes", type=int, default=50)
+    dg.add_argument("--seed", type=int, default=230000, help="first training seed (below the held-out base)")
+    dg.add_argument("--horizon", type=int, default=300)
+    dg.add_argument("--beta", type=float, default=0.3, help="probability that a chunk is the expert's, not the learner's")
+    dg.add_argument("--out", required=True, help="label file (.npz), rewritten after every episode")
+    dg.add_argument("--json", default=None, help="a summary: labels, the episodes' scores")
+    dg.set_defaults(fn=cmd_dagger)
 
     tb = sub.add_parser("train-bc", help="behaviour-cloning policy on the pushing segments of a dataset (policy suite)")
     tb.add_argument("--data", required=True)

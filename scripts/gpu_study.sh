@@ -75,20 +75,21 @@ if [ ! -f "$WORK/stage1/train_result.json" ]; then
 fi
 
 # 3. stage 2: every variant at once, the same budget each; with IWS_STUDY_DEADLINE (seconds since the
-# script began) the budget shrinks so that loading (~1 min), the evaluations and packing still fit
+# script began) every training ends by the same moment (--deadline: its budget counts from the end of its
+# loading, which the cache builds make uneven), leaving time for the evaluations and packing
+DEADLINE=()
 if [ -n "${IWS_STUDY_DEADLINE:-}" ]; then
-  left=$(( IWS_STUDY_DEADLINE - ($(date +%s) - T0) - EVAL_TIMEOUT - 90 ))
-  MIN2=$(python3 -c "print(round(max(0.5, min($MIN2, $left / 60)), 2))")
+  DEADLINE=(--deadline $(( T0 + IWS_STUDY_DEADLINE - EVAL_TIMEOUT - 30 )))
 fi
-stamp "stage2 x ${#VARIANTS[@]}, ${MIN2} min each"
+stamp "stage2 x ${#VARIANTS[@]}, ${MIN2} min each ${DEADLINE[*]:+(ending by the deadline)}"
 for v in "${VARIANTS[@]}"; do
   name=${v%%|*}; flags=${v#*|}
   [ -f "$WORK/s2_$name/train_result.json" ] && continue
   # shellcheck disable=SC2086
   ( timeout "$(python3 -c "print(int($MIN2 * 60 + 150))")" \
       $IWS train stage2 --data "$WORK/data" --init "$WORK/stage1" --out "$WORK/s2_$name" --preset "$P2" \
-      --batch "$B2" --steps 100000 --max-minutes "$MIN2" --time-schedule --eval-every 2000 --ckpt-every 500 \
-      "${COMMON[@]}" $flags > "$WORK/s2_$name.log" 2>&1 \
+      --batch "$B2" --steps 100000 --max-minutes "$MIN2" --time-schedule "${DEADLINE[@]}" --eval-every 2000 \
+      --ckpt-every 500 "${COMMON[@]}" $flags > "$WORK/s2_$name.log" 2>&1 \
     && cp "$WORK/s2_$name/stage2.safetensors" "$OUT/s2_$name.safetensors" && stamp "$name trained" ) &
   if [ "$name" = "${VARIANTS[0]%%|*}" ]; then  # the first builds the latent caches (every core renders) ...
     for _ in $(seq 240); do

@@ -61,6 +61,7 @@ def test_gpu_script_runs_at_toy_scale_on_a_cpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_study_script_runs_at_toy_scale_on_a_cpu(tmp_path):
     env = {**os.environ, "IWS_STUDY_SCALE": "tiny", "IWS_STUDY_WORK": str(tmp_path / "work"), "OMP_NUM_THREADS": "1",
+           "IWS_STUDY_DEADLINE": "3000",  # every training ends by one moment (--deadline), far off at toy scale
            "IWS": f"{os.sys.executable} -m iws_gym.cli"}
     subprocess.run(["bash", str(ROOT / "scripts" / "gpu_study.sh"), str(tmp_path / "out")], check=True, env=env,
                    cwd=ROOT, capture_output=True, timeout=900)

@@ -220,3 +220,11 @@ def test_time_schedule_decays_over_the_budget_and_ends_at_its_floor(tiny_dataset
     r = json.loads((tmp_path / "run" / "train_result.json").read_text())
     assert r["finished"] and r["time_budget_spent"] and 0 < r["step"] < 100000
     assert (tmp_path / "run" / "stage1.safetensors").is_file()
+    # --deadline: the budget ends at a moment, counted from the end of loading (runs that load unevenly end together)
+    import time
+
+    bad = run_iws(*args[:5], tmp_path / "run2", *args[6:], "--deadline", time.time() + 30, check=False)
+    assert bad.returncode == 2 and "--deadline needs --time-schedule" in bad.stderr
+    run_iws(*args[:5], tmp_path / "run3", *args[6:], "--time-schedule", "--max-minutes", 60, "--deadline", time.time() + 30)
+    r = json.loads((tmp_path / "run3" / "train_result.json").read_text())
+    assert r["finished"] and r["time_budget_spent"] and r["wall_s"] < 60

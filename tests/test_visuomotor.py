@@ -164,32 +164,95 @@ def test_the_shipped_policy_is_a_zero_argument_factory():
     assert a.shape == (2,) and np.all((a >= 0) & (a <= 512))
 
 
-def test_policy_diagnosis_script_runs_its_four_parts(tiny_dataset, val_dataset, tmp_path):
-    """scripts/policy_diagnosis.py (docs/experiments.md, "Imitating the planning expert") at toy scale: the state
-    head trains, acts in gym-pusht, is relabelled by the expert (one label per executed chunk) and retrains on
-    the labels; the pose CNN writes its validation errors."""
-    import subprocess
-    import sys
+def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_dataset, tmp_path):
+    """The pose preset: the reader and the head train in one loop; `iws dagger` labels the learner's chunk starts
+    with the expert's plan (state-only labels), and the head trains on them; the policy acts on pixels alone."""
+    from iws_gym.policies import load_policy_factory
 
-    from .conftest import ROOT
-
-    def run(*args):
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "policy_diagnosis.py"), *map(str, args)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr
-
-    head, labels = tmp_path / "state.pt", tmp_path / "dagger.npz"
-    run("train-state", "--data", tiny_dataset, "--steps", 2, "--batch", 8, "--out", head)
-    run("dagger", "--head", head, "--episodes", 1, "--horizon", 9, "--out", labels)
+    common = ("--data", tiny_dataset, "--val-data", val_dataset, "--preset", "pose-tiny", "--batch", 8, "--eval-every", 2,
+              "--ckpt-every", 2, "--warmup", 1, "--steps", 2)
+    run_iws("train-policy", *common, "--out", tmp_path / "p")
+    result = json.loads((tmp_path / "p" / "train_result.json").read_text())
+    assert {"val_pose_err_px_median", "val_pose_err_rad_median", "val_action_err_px_median"} <= set(result["eval"])
+    labels = tmp_path / "r1.npz"
+    run_iws("dagger", "--policy", tmp_path / "p" / "visuomotor.safetensors", "--episodes", 1, "--horizon", 9,
+            "--seed", 50, "--beta", 1.0, "--out", labels, "--json", tmp_path / "r1.json")
     d = np.load(labels)
     assert d["A"].shape == (2, 16, 2) and d["P"].shape == (2, 2, 2) and d["B"].shape == (2, 3)  # chunk starts 0 and 8
     assert np.isfinite(d["A"]).all() and (d["A"] >= 0).all() and (d["A"] <= 512).all()
-    run("summarize", "--labels", labels, "--json", tmp_path / "d.json")
-    assert json.loads((tmp_path / "d.json").read_text())["labels"] == 2
-    run("train-state", "--data", tiny_dataset, "--labels", labels, "--steps", 2, "--batch", 8, "--out", tmp_path / "s2.pt")
-    run("eval", "--head", tmp_path / "s2.pt", "--episodes", 1, "--horizon", 4, "--json", tmp_path / "e.json")
-    report = json.loads((tmp_path / "e.json").read_text())
-    assert report["episodes"] == 1 and 0 <= report["mean_max_coverage"] <= 1 and report["head_args"]["labels"] == str(labels)
-    run("pose", "--data", tiny_dataset, "--val-data", val_dataset, "--steps", 1, "--batch", 4, "--json", tmp_path / "p.json")
-    pose = json.loads((tmp_path / "p.json").read_text())
-    assert set(pose["val_errors_by_step"]["1"]) == {"px_median", "px_p90", "rad_median", "rad_p90"}
+    assert json.loads((tmp_path / "r1.json").read_text())["expert_chunk_share"] == 1.0  # beta 1: every chunk the expert's
+    run_iws("train-policy", *common, "--out", tmp_path / "q", "--labels", labels)
+    policy = load_policy_factory(str(tmp_path / "q" / "visuomotor.safetensors"))()
+    assert policy.meta["labels"] == str(labels) and policy.cfg.bottleneck == "pose"
+    for size in (96, 128):
+        policy.reset(seed=0)
+        a = policy({"pixels": np.full((size, size, 3), 255, np.uint8), "agent_pos": np.array([256.0, 256.0])})
+        assert a.shape == (2,) and np.all((a >= 0) & (a <= 512))
+    bad = run_iws("train-policy", "--data", tiny_dataset, "--out", tmp_path / "x", "--preset", "tiny", "--steps", 1,
+                  "--labels", labels, check=False)
+    assert bad.returncode != 0 and "needs a pose-bottleneck policy" in bad.stderr
+    bad = run_iws("dagger", "--policy", tmp_path / "p" / "visuomotor.safetensors", "--seed", 999_999, "--episodes", 2,
+                  "--out", tmp_path / "y.npz", check=False)
+    assert bad.returncode != 0 and "below the held-out base" in bad.stderr
+
+
+def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
+    """Fitting one batch: the head, given the recorded pose, samples chunks near the demonstrated ones, and the
+    reader's pose regression falls."""
+    import torch
+
+    from iws_gym.policies.visuomotor import VisuomotorConfig, build_net
+
+    torch.manual_seed(0)
+    cfg = VisuomotorConfig(bottleneck="pose", crop=96, hidden=64, head_blocks=1, sample_steps=4, pose_noise=0.0)
+    net = build_net(cfg)
+    g = torch.Generator().manual_seed(0)
+    agent = torch.rand(8, 2, 2, generator=g) * 512
+    pose = torch.cat([torch.rand(8, 2, generator=g) * 300 + 100, torch.rand(8, 1, generator=g) * 6 - 3], 1)
+    actions = pose[:, None, :2] + torch.linspace(0, 60, cfg.chunk)[None, :, None]  # pushes that start at the block
+    frames = torch.rand(8, 1, 3, 96, 96, generator=g) * 2 - 1
+    batch = dict(agent=agent, block_pose=pose, actions=actions, frames=frames, frame_pose=pose)
+
+    def err():
+        chunk = net.sample(frames, agent, torch.Generator().manual_seed(1), pose=pose)
+        return (chunk - actions).norm(dim=-1).mean().item()
+
+    before, pose_before = err(), net.loss(batch)[1]["pose_mse"]
+    opt = torch.optim.Adam(net.parameters(), 3e-3)
+    for _ in range(300):
+        loss, logs = net.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert err() < 0.35 * before and logs["pose_mse"] < 0.5 * pose_before
+    with pytest.raises(ValueError, match="reads one whole frame"):
+        build_net(VisuomotorConfig(bottleneck="pose"))  # crop 88 < size 96
+
+
+@pytest.mark.slow
+def test_visuomotor_recipe_script_runs_at_toy_scale(tiny_dataset, val_dataset, tmp_path):
+    """scripts/train_visuomotor.sh: behaviour cloning, labels from two of its snapshots, four DAgger rounds, each
+    policy measured on validation starts; a rerun finds everything done."""
+    import os
+    import subprocess
+
+    from .conftest import ROOT
+
+    env = {**os.environ, "IWS_VM_SCALE": "tiny", "DATA": str(tiny_dataset), "VAL_DATA": str(val_dataset),
+           "IWS": f"{os.sys.executable} -m iws_gym.cli"}
+    run = lambda: subprocess.run(["bash", str(ROOT / "scripts" / "train_visuomotor.sh"), str(tmp_path)], env=env, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=900)
+    proc = run()
+    assert proc.returncode == 0, proc.stderr
+    for r in ("r0", "r0b", "r1", "r2", "r3"):
+        assert np.load(tmp_path / "dagger" / f"{r}.npz")["A"].shape[1:] == (16, 2)
+    from iws_gym.models.checkpoint import load_release
+    from iws_gym.policies.visuomotor import VisuomotorConfig
+
+    _, _, meta = load_release(tmp_path / "vm_pose_d4" / "visuomotor.safetensors", "visuomotor", VisuomotorConfig)
+    assert meta["labels"].split(",") == [str(tmp_path / "dagger" / f"{r}.npz") for r in ("r0", "r0b", "r1", "r2", "r3")]
+    assert meta["init"] == str(tmp_path / "vm_pose_d3" / "visuomotor.safetensors")
+    assert json.loads((tmp_path / "vm_pose_d4" / "val30.json").read_text())["ground_truth"]["episodes"] == 1
+    again = run()
+    assert again.returncode == 0 and "done" in again.stdout and not list(tmp_path.glob("vm_pose_d5*"))
+    assert not (tmp_path / "dagger" / "r4.npz").exists()  # the last round collects nothing

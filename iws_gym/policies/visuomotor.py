@@ -45,6 +45,11 @@ class VisuomotorConfig:
     noise_draws: int = 4    # flow-matching draws per observation in training (the head is cheap)
     pose_aux: float = 0.0   # weight of an auxiliary loss: the block's pose read from the frame's features (training
                             # only, where the demonstrations record it; the policy acts on pixels and agent_pos alone)
+    bottleneck: str = "features"  # what the head sees of the frame: "features" (keypoints and pooled features, trained
+                                  # end to end) or "pose" (a CNN's reading of the block's pose; see PoseBottleneckNet)
+    pose_noise: float = 2.0  # (pose) std of the noise on the recorded pose the head trains on: px, and px / 100 rad
+    frame_every: int = 16    # (pose) the pose reader trains on every N-th batch (the head is cheap, the reader is not)
+    frame_batch: int = 64    # (pose) frames per reader batch
 
 
 def to_unit(pos: torch.Tensor) -> torch.Tensor:
@@ -175,6 +180,96 @@ class VisuomotorNet(nn.Module):
         return from_unit(x.clamp(-1, 1)).view(-1, self.cfg.chunk, 2)
 
 
+class PoseReader(nn.Module):
+    """A whole frame (B, 3, S, S) in [-1, 1], S = 96 -> the block's pose (B, 4): x, y in [-1, 1], cos, sin."""
+
+    def __init__(self, c: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, c, 4, stride=4), ResBlock(c), ResBlock(c),                          # 96 -> 24
+            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), ResBlock(2 * c), ResBlock(2 * c),    # -> 12
+            nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1), ResBlock(2 * c), nn.GroupNorm(8, 2 * c), nn.SiLU(),  # -> 6
+            nn.AdaptiveAvgPool2d(6), nn.Flatten(), nn.Linear(2 * c * 36, 256), nn.SiLU(), nn.Linear(256, 4))
+
+    def forward(self, x):
+        return self.net(x).float()
+
+
+def pose_features(pose: torch.Tensor) -> torch.Tensor:
+    """(B, 3) block poses (canvas px, rad) -> (B, 4): x, y in [-1, 1], cos, sin (what PoseReader predicts)."""
+    return torch.cat([to_unit(pose[:, :2]), torch.cos(pose[:, 2:]), torch.sin(pose[:, 2:])], 1)
+
+
+class PoseBottleneckNet(nn.Module):
+    """The head sees the block only through its pose, read from the frame by a small CNN (PoseReader).
+
+    Seeing and acting are trained apart in one loop: the reader regresses the demonstrations' recorded
+    poses (every `frame_every`-th batch, `frame_batch` frames), and the head learns the action chunks
+    conditioned on the recorded pose plus noise (`pose_noise`, as large as the reader's errors), so it can
+    train for many cheap steps and also learn from state-only corrections (DAgger labels). Acting, it
+    runs on the pixels and agent_pos alone. Why this split: docs/experiments.md, "Visuomotor policy
+    (issue 33)": the pose reads to 1.4 px from 96x96 frames, and the action head needs ~10^5 steps."""
+
+    def __init__(self, cfg: VisuomotorConfig):
+        super().__init__()
+        if cfg.crop != cfg.size or cfg.n_frames != 1:
+            raise ValueError(f"the pose bottleneck reads one whole frame (crop == size, n_frames == 1), got crop "
+                             f"{cfg.crop}, size {cfg.size}, n_frames {cfg.n_frames}")
+        self.cfg = cfg
+        self.reader = PoseReader()
+        self.cond_dim = 4 + cfg.n_obs * 2
+        self.head = FlowHead(cfg, self.cond_dim)
+
+    def state_condition(self, pose4: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
+        return torch.cat([pose4.float(), to_unit(agent).flatten(1)], 1)
+
+    def condition(self, frames: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
+        return self.state_condition(self.reader(frames[:, -1]), agent)
+
+    def loss(self, batch: dict, step: int = 0):
+        """Flow matching of the chunk given (agent positions, noised recorded pose); plus, where the batch
+        holds frames, the reader's pose regression."""
+        pose = batch["block_pose"]
+        noise = torch.randn_like(pose) * self.cfg.pose_noise * torch.tensor([1.0, 1.0, 0.01], device=pose.device)
+        cond = self.state_condition(pose_features(pose + noise), batch["agent"])
+        a = to_unit(batch["actions"]).flatten(1)
+        t = torch.rand(len(a), device=a.device)
+        eps = torch.randn_like(a)
+        flow = F.mse_loss(self.head(t[:, None] * a + (1 - t[:, None]) * eps, t, cond).float(), a - eps)
+        logs = {"flow_mse": flow.item()}
+        loss = flow
+        if "frames" in batch:
+            pose_mse = F.mse_loss(self.reader(batch["frames"][:, -1]), pose_features(batch["frame_pose"]))
+            loss = loss + pose_mse
+            logs["pose_mse"] = pose_mse.item()
+        return loss, logs
+
+    forward = loss
+
+    @torch.no_grad()
+    def read_pose(self, frames: torch.Tensor) -> torch.Tensor:
+        """(B, n, 3, S, S) -> (B, 3): the block's pose (canvas px, rad) read from the last frame."""
+        p = self.reader(frames[:, -1])
+        return torch.cat([from_unit(p[:, :2]), torch.atan2(p[:, 3], p[:, 2])[:, None]], 1)
+
+    @torch.no_grad()
+    def sample(self, frames, agent, generator: torch.Generator | None = None, steps: int | None = None, pose=None):
+        """A chunk (B, chunk, 2) of absolute targets in canvas px; `pose` (B, 3) replaces the reader's."""
+        steps = steps or self.cfg.sample_steps
+        cond = self.condition(frames, agent) if pose is None else self.state_condition(pose_features(pose), agent)
+        x = torch.randn(len(cond), self.cfg.chunk * 2, generator=generator).to(cond.device)
+        for i in range(steps):
+            t = torch.full((len(x),), i / steps, device=x.device)
+            x = x + self.head(x, t, cond).float() / steps
+        return from_unit(x.clamp(-1, 1)).view(-1, self.cfg.chunk, 2)
+
+
+def build_net(cfg: VisuomotorConfig) -> nn.Module:
+    if cfg.bottleneck not in ("features", "pose"):
+        raise ValueError(f"bottleneck must be 'features' or 'pose', got {cfg.bottleneck!r}")
+    return PoseBottleneckNet(cfg) if cfg.bottleneck == "pose" else VisuomotorNet(cfg)
+
+
 def prep_frames(frames: np.ndarray, size: int) -> np.ndarray:
     """(..., H, W, 3) uint8 -> (..., size, size, 3) uint8 (INTER_AREA), unchanged if already that size."""
     if frames.shape[-3:-1] == (size, size):
@@ -204,7 +299,7 @@ class VisuomotorPolicy:
 
         cfg, sd, self.meta = load_release(Path(path), "visuomotor", VisuomotorConfig)
         self.cfg, self.device = cfg, torch.device(device)
-        self.net = VisuomotorNet(cfg)
+        self.net = build_net(cfg)
         self.net.load_state_dict(sd)
         self.net.eval().to(self.device)
         self.reset(0)

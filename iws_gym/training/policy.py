@@ -6,6 +6,8 @@ writes the EMA weights as a release, so checkpoints along training are policies 
     iws train-policy --data data/expert --out runs/visuomotor
     # a mix of datasets: the first N episodes of one (DIR:N), episodes I..J-1 of another (DIR:I-J)
     iws train-policy --data data/expert:50,data/generated:50-100 --out runs/mix
+    # the pose-bottleneck policy, with the planning expert's corrections (`iws dagger`) in half of each batch
+    iws train-policy --data data/expert --preset pose --batch 1024 --labels runs/dagger/r1.npz --out runs/vm_pose
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from iws_gym.data.episodes import list_episodes, load_meta, read_episode
 from iws_gym.envs.registry import load_task
 from iws_gym.models.checkpoint import git_commit, save_release
-from iws_gym.policies.visuomotor import VisuomotorConfig, VisuomotorNet, frames_to_input, prep_frames
+from iws_gym.policies.visuomotor import VisuomotorConfig, build_net, frames_to_input, prep_frames
 from iws_gym.training.common import StageBase, arg
 
 
@@ -27,16 +29,23 @@ from iws_gym.training.common import StageBase, arg
 class Options:
     val_data: str | None = arg(None, "demonstrations never trained on, to measure the action error on (e.g. "
                                      "`iws collect --mix expert --episodes 10 --seed 300000 --out data/expert_val`)")
-    preset: str = arg("default", "model: default | small (a narrower flow head) | tiny (tests)")
+    preset: str = arg("default", "model: default | small (a narrower flow head) | tiny (tests) | pose (the pose "
+                                 "bottleneck: a CNN reads the block pose, the head acts on it) | pose-tiny (tests)")
     sample_steps: int = arg(10, "Euler steps of the flow sampler stored in the config")
     pose_aux: float | None = arg(None, "weight of the auxiliary block-pose loss (training only; default: the config's, "
                                        "0, or the --init release's)")
     init: str | None = arg(None, "start from this policy release (its config and weights; --preset is ignored), e.g. "
                                  "to continue on demonstrations that add the expert's corrections")
+    labels: str | None = arg(None, "(pose presets) the expert's corrections on states a learner reached: label files of "
+                                   "`iws dagger`, comma-separated")
+    label_share: float = arg(0.5, "share of each batch drawn from --labels")
 
 
 PRESETS = {"default": {}, "small": dict(hidden=256),  # small: a head of 0.9 M parameters instead of 3.3 M
-           "tiny": dict(ch=16, keypoints=8, hidden=64, head_blocks=1, sample_steps=2)}
+           "tiny": dict(ch=16, keypoints=8, hidden=64, head_blocks=1, sample_steps=2),
+           # the pose bottleneck (visuomotor.PoseBottleneckNet): a 0.9 M-parameter head behind a 0.9 M-parameter reader
+           "pose": dict(bottleneck="pose", crop=96, hidden=256),
+           "pose-tiny": dict(bottleneck="pose", crop=96, hidden=64, head_blocks=1, sample_steps=2, frame_batch=4, frame_every=2)}
 
 
 def parse_data(spec: str) -> list[tuple[Path, slice]]:
@@ -80,7 +89,12 @@ class Stage(StageBase):
                 raise ValueError(f"--pose-aux must be >= 0, got {o.pose_aux}")
             cfg = dataclasses.replace(cfg, pose_aux=o.pose_aux)
         self.config = cfg
-        self.model = VisuomotorNet(cfg)
+        self.pose = cfg.bottleneck == "pose"
+        if o.labels and not self.pose:
+            raise ValueError("--labels (state-only corrections) needs a pose-bottleneck policy (--preset pose)")
+        if not 0 <= o.label_share < 1:
+            raise ValueError(f"--label-share must be in [0, 1), got {o.label_share}")
+        self.model = build_net(cfg)
         if init_sd is not None:  # a pose head added on top of a release starts fresh
             missing, unexpected = self.model.load_state_dict(init_sd, strict=False)
             if unexpected or any(not k.startswith("pose_head.") for k in missing):
@@ -109,6 +123,19 @@ class Stage(StageBase):
         # the steps to imitate: all but those a learner took (`iws collect --mix intervention`)
         self.index = np.concatenate([np.stack([np.full(ep["imitate"].sum(), e), np.flatnonzero(ep["imitate"])], 1)
                                      for e, ep in enumerate(self.train)])
+        self.labels = load_labels(o.labels, cfg) if o.labels else None
+        self._calls = 0
+        if self.pose:  # the steps' states as flat arrays: the head's batches are drawn without touching frames
+            lens = np.array([len(ep["actions"]) for ep in self.train])
+            start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            self.flat = {k: np.concatenate([ep[k][:n] for ep, n in zip(self.train, lens)]).astype(np.float32)
+                         for k in ("agent_pos", "block_pose", "actions")}
+            self.flat_index = start[self.index[:, 0]] + self.index[:, 1]
+            self.flat_start, self.flat_end = np.repeat(start, lens), np.repeat(start + lens, lens)
+            known = np.isfinite(self.flat["block_pose"][self.flat_index]).all(1)  # generated data: the reader may miss the T
+            if not known.any():
+                raise ValueError(f"--data {a.data}: no step records the block's pose, which the pose preset trains on")
+            self.index, self.flat_index = self.index[known], self.flat_index[known]
 
     def _load(self, paths):
         from tqdm import tqdm
@@ -142,7 +169,23 @@ class Stage(StageBase):
                     block_pose=torch.from_numpy(np.stack(B)).float().to(self.device))
 
     def sample_batch(self, rng, batch):
-        return self._windows(self.train, self.index[rng.integers(0, len(self.index), batch)], rng)
+        if not self.pose:
+            return self._windows(self.train, self.index[rng.integers(0, len(self.index), batch)], rng)
+        cfg = self.config
+        k = int(batch * self.o.label_share) if self.labels is not None else 0
+        g = self.flat_index[rng.integers(0, len(self.flat_index), batch - k)]
+        P = self.flat["agent_pos"][np.maximum(g[:, None] - np.arange(cfg.n_obs - 1, -1, -1), self.flat_start[g][:, None])]
+        A = self.flat["actions"][np.minimum(g[:, None] + np.arange(cfg.chunk), self.flat_end[g][:, None] - 1)]
+        B = self.flat["block_pose"][g]
+        if k:
+            h = rng.integers(0, len(self.labels["A"]), k)
+            P, B, A = (np.concatenate([x, self.labels[n][h]]) for x, n in ((P, "P"), (B, "B"), (A, "A")))
+        out = dict(agent=torch.from_numpy(P), block_pose=torch.from_numpy(B), actions=torch.from_numpy(A))
+        self._calls += 1
+        if self._calls % cfg.frame_every == 1 or cfg.frame_every == 1:  # a batch for the pose reader
+            w = self._windows(self.train, self.index[rng.integers(0, len(self.index), cfg.frame_batch)])
+            out.update(frames=w["frames"], frame_pose=w["block_pose"])
+        return {n: v.to(self.device) for n, v in out.items()}
 
     def evaluate(self, ema) -> dict:
         out = {}
@@ -156,10 +199,15 @@ class Stage(StageBase):
             out["val_action_err_px_mean"] = err.mean().item()
             with torch.random.fork_rng():  # the same draws at every evaluation, training's RNG untouched
                 torch.manual_seed(0)
-                logs = ema.loss(b)[1]
+                logs = ema.loss(dict(b, frame_pose=b["block_pose"]) if self.pose else b)[1]
             out["val_flow_mse"] = logs["flow_mse"]
             if "pose_mse" in logs:
                 out["val_pose_mse"] = logs["pose_mse"]
+            if self.pose:  # how well the reader sees the block
+                read = ema.read_pose(b["frames"]).float()
+                out["val_pose_err_px_median"] = (read[:, :2] - b["block_pose"][:, :2]).norm(dim=1).median().item()
+                d = torch.remainder(read[:, 2] - b["block_pose"][:, 2] + np.pi, 2 * np.pi) - np.pi
+                out["val_pose_err_rad_median"] = d.abs().median().item()
         self._snapshot(ema, out)
         return out
 
@@ -174,10 +222,27 @@ class Stage(StageBase):
         self._step = step + 1  # the loop evaluates before step `step + 1`'s update
 
     def _provenance(self, step, metrics):
-        return dict(data=self.sources, val_data=self.o.val_data, init=self.o.init, commit=git_commit(), step=step, eval=metrics, task=self.task.name,
+        return dict(data=self.sources, val_data=self.o.val_data, init=self.o.init, labels=self.o.labels,
+                    label_share=self.o.label_share if self.o.labels else None, commit=git_commit(), step=step, eval=metrics, task=self.task.name,
                     command=f"iws train-policy --data {self.a.data} --out {self.a.out} --steps {self.a.steps}")
 
     def export(self, ema, out, result):
         extra = self._provenance(result["step"], result["eval"])
         extra.update(wall_s=result["wall_s"], command=result["command"].replace("iws train policy", "iws train-policy"))
         save_release(Path(out) / "visuomotor.safetensors", ema.state_dict(), "visuomotor", self.config, extra)
+
+
+def load_labels(spec: str, cfg: VisuomotorConfig) -> dict:
+    """Label files of `iws dagger` (comma-separated) -> {"P": agent histories, "B": block poses, "A": chunks}."""
+    parts = []
+    for f in spec.split(","):
+        if not Path(f).is_file():
+            raise ValueError(f"--labels: no such file {f!r}")
+        d = np.load(f)
+        if not {"P", "B", "A"} <= set(d.files):
+            raise ValueError(f"--labels: {f} is not a label file of `iws dagger` (needs arrays P, B, A; has {d.files})")
+        if d["P"].shape[1:] != (cfg.n_obs, 2) or d["A"].shape[1:] != (cfg.chunk, 2):
+            raise ValueError(f"--labels: {f} holds histories of {d['P'].shape[1]} and chunks of {d['A'].shape[1]} steps; "
+                             f"this policy sees {cfg.n_obs} and predicts {cfg.chunk}")
+        parts.append(d)
+    return {k: np.concatenate([d[k] for d in parts]).astype(np.float32) for k in ("P", "B", "A")}

@@ -54,6 +54,9 @@ class TrainArgs:
     time_schedule: bool = arg(False, "with --max-minutes: the learning rate decays over whichever of --steps and "
                                      "--max-minutes ends first, so a run cut by time still ends at its lowest rate "
                                      "(a fixed compute budget, as on a lent GPU)")
+    deadline: float | None = arg(None, "with --time-schedule: end training by this Unix time; the budget becomes the "
+                                       "smaller of --max-minutes and the time from the loop's start (after loading) to "
+                                       "the deadline, so runs that load for different times still end together")
     device: str = arg("auto", "auto (CUDA if present, else CPU) | cpu | cuda | cuda:N")
     amp: bool = arg(True, "bf16 autocast where the hardware runs bf16 natively (AMX / AVX512-BF16 CPUs, CUDA); "
                           "fp32 elsewhere, where bf16 is emulated and slower")
@@ -162,6 +165,10 @@ def run(stage_name: str, a: TrainArgs, o, argv=None) -> dict:
         return metrics
 
     t0 = time.time()
+    if a.deadline is not None:  # what is left until the deadline, counted from now (loading is done)
+        if not a.time_schedule:
+            raise ValueError("--deadline needs --time-schedule (the budget the schedule runs over)")
+        a.max_minutes = max(0.0, min(a.max_minutes or float("inf"), (wall_before + a.deadline - t0) / 60))
     bar = tqdm(total=a.steps, initial=step, desc=f"train {stage_name}", disable=not master, dynamic_ncols=True)
     metrics, logs = {}, {}
     stopped_early = budget_spent = False
