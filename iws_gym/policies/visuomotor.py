@@ -126,6 +126,21 @@ class FlowHead(nn.Module):
         return self.out(h)
 
 
+def pose_features(pose: torch.Tensor) -> torch.Tensor:
+    """(B, 3) block poses (canvas px, rad) -> (B, 4): x, y in [-1, 1], cos, sin (what PoseReader predicts)."""
+    return torch.cat([to_unit(pose[:, :2]), torch.cos(pose[:, 2:]), torch.sin(pose[:, 2:])], 1)
+
+
+def sample_chunk(head: FlowHead, cond: torch.Tensor, cfg: VisuomotorConfig, generator=None, steps: int | None = None):
+    """A chunk (B, chunk, 2) of absolute targets in canvas px: Euler steps of the head's flow from noise."""
+    steps = steps or cfg.sample_steps
+    x = torch.randn(len(cond), cfg.chunk * 2, generator=generator).to(cond.device)
+    for i in range(steps):
+        t = torch.full((len(x),), i / steps, device=x.device)
+        x = x + head(x, t, cond).float() / steps
+    return from_unit(x.clamp(-1, 1)).view(-1, cfg.chunk, 2)
+
+
 class VisuomotorNet(nn.Module):
     def __init__(self, cfg: VisuomotorConfig):
         super().__init__()
@@ -158,7 +173,7 @@ class VisuomotorNet(nn.Module):
         logs = {"flow_mse": loss.item()}
         if self.cfg.pose_aux > 0 and "block_pose" in batch:
             pose = batch["block_pose"]
-            target = torch.cat([to_unit(pose[:, :2]), torch.cos(pose[:, 2:]), torch.sin(pose[:, 2:])], 1)
+            target = pose_features(pose)
             ok = torch.isfinite(target).all(1)  # generated data: the pose reader may have found no T
             if ok.any():
                 pose_mse = F.mse_loss(self.pose_head(feats[ok]).float(), target[ok])
@@ -171,13 +186,7 @@ class VisuomotorNet(nn.Module):
     @torch.no_grad()
     def sample(self, frames, agent, generator: torch.Generator | None = None, steps: int | None = None):
         """A chunk (B, chunk, 2) of absolute targets in canvas px, by Euler steps of the learned flow."""
-        steps = steps or self.cfg.sample_steps
-        cond = self.condition(frames, agent)
-        x = torch.randn(len(cond), self.cfg.chunk * 2, generator=generator).to(cond.device)
-        for i in range(steps):
-            t = torch.full((len(x),), i / steps, device=x.device)
-            x = x + self.head(x, t, cond).float() / steps
-        return from_unit(x.clamp(-1, 1)).view(-1, self.cfg.chunk, 2)
+        return sample_chunk(self.head, self.condition(frames, agent), self.cfg, generator, steps)
 
 
 class PoseReader(nn.Module):
@@ -193,11 +202,6 @@ class PoseReader(nn.Module):
 
     def forward(self, x):
         return self.net(x).float()
-
-
-def pose_features(pose: torch.Tensor) -> torch.Tensor:
-    """(B, 3) block poses (canvas px, rad) -> (B, 4): x, y in [-1, 1], cos, sin (what PoseReader predicts)."""
-    return torch.cat([to_unit(pose[:, :2]), torch.cos(pose[:, 2:]), torch.sin(pose[:, 2:])], 1)
 
 
 class PoseBottleneckNet(nn.Module):
@@ -255,13 +259,8 @@ class PoseBottleneckNet(nn.Module):
     @torch.no_grad()
     def sample(self, frames, agent, generator: torch.Generator | None = None, steps: int | None = None, pose=None):
         """A chunk (B, chunk, 2) of absolute targets in canvas px; `pose` (B, 3) replaces the reader's."""
-        steps = steps or self.cfg.sample_steps
         cond = self.condition(frames, agent) if pose is None else self.state_condition(pose_features(pose), agent)
-        x = torch.randn(len(cond), self.cfg.chunk * 2, generator=generator).to(cond.device)
-        for i in range(steps):
-            t = torch.full((len(x),), i / steps, device=x.device)
-            x = x + self.head(x, t, cond).float() / steps
-        return from_unit(x.clamp(-1, 1)).view(-1, self.cfg.chunk, 2)
+        return sample_chunk(self.head, cond, self.cfg, generator, steps)
 
 
 def build_net(cfg: VisuomotorConfig) -> nn.Module:

@@ -181,10 +181,10 @@ class Stage(StageBase):
             h = rng.integers(0, len(self.labels["A"]), k)
             P, B, A = (np.concatenate([x, self.labels[n][h]]) for x, n in ((P, "P"), (B, "B"), (A, "A")))
         out = dict(agent=torch.from_numpy(P), block_pose=torch.from_numpy(B), actions=torch.from_numpy(A))
-        self._calls += 1
-        if self._calls % cfg.frame_every == 1 or cfg.frame_every == 1:  # a batch for the pose reader
+        if self._calls % cfg.frame_every == 0:  # a batch for the pose reader
             w = self._windows(self.train, self.index[rng.integers(0, len(self.index), cfg.frame_batch)])
             out.update(frames=w["frames"], frame_pose=w["block_pose"])
+        self._calls += 1
         return {n: v.to(self.device) for n, v in out.items()}
 
     def evaluate(self, ema) -> dict:
