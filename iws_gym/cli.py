@@ -35,6 +35,12 @@ def cmd_data_stats(a):
     _emit(stats, a.json)
 
 
+def cmd_merge(a):
+    from iws_gym.data.episodes import merge_datasets
+
+    _emit(merge_datasets(a.data, Path(a.out)), None)
+
+
 def cmd_eval_pose(a):
     from iws_gym.evaluation.fidelity import validate_pose_estimator
 
@@ -280,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--loader-batches", type=int, default=50)
     s.set_defaults(fn=cmd_data_stats)
 
+    m = sub.add_parser("merge", help="one dataset of several (e.g. play and expert demonstrations), by links, nothing copied")
+    m.add_argument("--data", nargs="+", required=True, help="the datasets, in order")
+    m.add_argument("--out", required=True, help="a new (or empty) directory")
+    m.set_defaults(fn=cmd_merge)
+
     t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics); resumes from OUT/last.pt")
     t.add_argument("stage", choices=["stage1", "stage2", "recipe"],
                    help="stage1, stage2, or recipe: collection, both stages and the release in one resumable command")
@@ -331,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--episodes", type=int, default=16)
     ef.add_argument("--behaviour", default="mix", choices=list(HELDOUT_BEHAVIOURS),
                     help="held-out play as in training, an unseen scripted policy, jittery pushes (iws collect --mix jittery), "
-                         "or a uniform-random target every step (as `iws eval stability` drives the model)")
+                         "a uniform-random target every step (as `iws eval stability` drives the model), or the planning "
+                         "expert's competent pushes (what a good policy does)")
     ef.add_argument("--split", default="test", choices=list(SPLITS),
                     help="named held-out split (iws_gym/data/splits.py): test for reports, validation for choosing settings")
     ef.add_argument("--decoder-steps", type=int, default=None)

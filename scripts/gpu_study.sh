@@ -6,6 +6,8 @@
 #
 #   scripts/gpu_study.sh OUT                          # on the GPU machine (the device tool's $OUT)
 #   IWS_STUDY_SCALE=tiny scripts/gpu_study.sh OUT     # the same steps at toy scale on a CPU (tests run this)
+#   IWS_STUDY_VARIANTS="consistency_df consistency_df_large" IWS_STUDY_BATCH=1024 IWS_STUDY_EVAL=0 ...
+#                                                     # fewer designs, a larger batch, evaluations left to you
 #
 # Work happens in $IWS_STUDY_WORK (default /tmp/iws_study); rerunning resumes (a finished step is skipped).
 # OUT receives what comes back, each file as soon as it exists (so a run cut short still returns what it
@@ -31,14 +33,27 @@ else
   B1=128; B2=256; P1=pool; P2=default; EVAL_TIMEOUT=${IWS_STUDY_EVAL_SECONDS:-100}
   FID=(--horizon 64 --episodes 16); STAB=(--steps 1000 --check-every 10)
   DN="--objective denoise --sample-steps 4 --p-mean -0.4 --sigma-max 5"
+  B2=${IWS_STUDY_BATCH:-256}
   VARIANTS=(
     "consistency|--objective consistency"
     "consistency_df|--objective consistency --ctx-noise per_frame"
+    "consistency_df_large|--objective consistency --ctx-noise per_frame --preset large"
     "denoise|$DN"
     "denoise_df|$DN --ctx-noise per_frame"
     "transport_gated_df|$DN --ctx-noise per_frame --transport --flow-gate 0.02"
   )
 fi
+# IWS_STUDY_VARIANTS="a b": only these of the table above (default: all but the large one)
+WANT=${IWS_STUDY_VARIANTS:-consistency consistency_df denoise denoise_df transport_gated_df}
+[ "$SCALE" = tiny ] && WANT=${IWS_STUDY_VARIANTS:-consistency consistency_df transport_gated_df}
+CHOSEN=()
+for v in "${VARIANTS[@]}"; do
+  [[ " $WANT " == *" ${v%%|*} "* ]] && CHOSEN+=("$v")
+done
+[ ${#CHOSEN[@]} -gt 0 ] || { echo "IWS_STUDY_VARIANTS names none of: ${VARIANTS[*]%%|*}"; exit 2; }
+VARIANTS=("${CHOSEN[@]}")
+# IWS_STUDY_EVAL=0: no evaluations here (run them elsewhere); the whole budget trains
+[ "${IWS_STUDY_EVAL:-1}" = 0 ] && EVAL_TIMEOUT=0
 # the shipped recipe's data options (docs/training.md; `iws train recipe` holds them), common to every variant
 read -ra COMMON <<< "$(python3 -c 'from iws_gym.training.recipe import STAGE2_RECIPE; print(*STAGE2_RECIPE)')"
 WORKERS=$(nproc)
@@ -104,6 +119,7 @@ stamp "stage2 done"
 
 # 4. release each (stage 1 beside it) and measure it on held-out validation episodes, all at once
 for v in "${VARIANTS[@]}"; do
+  [ "$EVAL_TIMEOUT" = 0 ] && break
   name=${v%%|*}; rel="$WORK/release/$name"
   [ -f "$WORK/s2_$name/stage2.safetensors" ] || { stamp "$name: no weights"; continue; }
   mkdir -p "$rel"; cp "$WORK/stage1/stage1.safetensors" "$WORK/s2_$name/stage2.safetensors" "$rel/"

@@ -225,6 +225,13 @@ def test_collect_names_a_bad_mix(tmp_path):
         next(heldout_episodes(TASK, 1, 5, behaviour="chaos"))
 
 
+def test_heldout_expert_episodes_push_for_the_whole_horizon():
+    # the planning expert's competent pushes (fidelity --behaviour expert): the episode runs past success
+    ep = next(heldout_episodes(TASK, 1, 100, "validation", first=1, behaviour="expert"))
+    assert len(ep["actions"]) == 100 and ep["plan"] == [("expert_heldout", 100)]
+    assert ep["coverage"][:90].max() > 0.95 and ep["coverage"][0] < 0.3  # it succeeds before the end and goes on
+
+
 def test_resume_refuses_another_seed_or_mix_and_keeps_the_episodes(tmp_path):
     out = tmp_path / "c"
     collect(TASK, 2, out, seed=3, steps=4, progress=False)
@@ -259,3 +266,27 @@ def test_atomic_saves_of_one_file_by_several_writers_leave_no_temporary_file(tmp
     atomic_torch_save({"a": 1}, path)
     atomic_torch_save({"a": 2}, path)
     assert torch.load(path)["a"] == 2 and [p.name for p in tmp_path.iterdir()] == ["latents.pt"]
+
+
+def test_merge_links_several_datasets_into_one(tiny_dataset, tmp_path):
+    from iws_gym.data.episodes import DatasetError, InMemoryEpisodes, load_meta
+
+    other = tmp_path / "random"
+    collect(TASK, 2, other, seed=40, steps=10, progress=False, mix="random")
+    out = tmp_path / "merged"
+    run_iws("merge", "--data", tiny_dataset, other, "--out", out)
+    meta = load_meta(out)
+    assert meta["episodes"] == 5 and meta["mix"] == "merged" and meta["seed"] is None
+    assert [(m["first_episode"], m["episodes"], m["mix"]) for m in meta["merged_from"]] == [(0, 3, "play"), (3, 2, "random")]
+    eps = InMemoryEpisodes.load(out, progress=False)
+    np.testing.assert_array_equal(eps.actions[3], read_episode(episode_path(other, 0))["actions"])  # in order, linked
+    assert all(p.is_symlink() for p in out.glob("ep_*.h5"))
+    # bad input names the problem and leaves what is there alone
+    for args, dest, msg in (([tiny_dataset], tmp_path / "m2", "at least two"), ([tiny_dataset, tmp_path / "nope"], tmp_path / "m2", "nope"),
+                            ([tiny_dataset, other], out, "not an empty directory")):
+        proc = run_iws("merge", "--data", *args, "--out", dest, check=False)
+        assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+    assert load_meta(out)["episodes"] == 5 and not (tmp_path / "m2").exists()
+    with pytest.raises(DatasetError, match="one of the sources"):
+        from iws_gym.data.episodes import merge_datasets
+        merge_datasets([tiny_dataset, other], other)

@@ -204,6 +204,35 @@ def test_learned_run_keeps_the_frame_of_each_best_score(tiny_checkpoint):
     np.testing.assert_allclose([TPushCoverageScorer().coverage(f) for f in frames], scores, atol=1e-6)
 
 
+def test_learned_run_with_one_factory_per_start_routes_each_episode_to_its_policy(tiny_checkpoint):
+    from iws_gym.evaluation.policy_eval import run_learned, start_states
+    from iws_gym.envs.registry import load_task
+
+    log = []
+
+    def factory(name, target):
+        class P:
+            def reset(self, seed):
+                log.append((name, "reset", seed))
+
+            def __call__(self, obs):
+                log.append((name, "act", None))
+                return np.array(target, np.float32)
+        return P
+
+    task = load_task("tpushing")
+    states = start_states(task, 2, 0)
+    a, b = factory("a", [100, 100]), factory("b", [400, 400])
+    with pytest.raises(ValueError, match="factories"):
+        run_learned(task, [a], np.concatenate([states, states]), 3, 0, tiny_checkpoint, "cpu")
+    scores, _ = run_learned(task, [a, a, b, b], np.concatenate([states, states]), 3, 7, tiny_checkpoint, "cpu", batch=3,
+                            runner_seeds=[7, 8, 7, 8])
+    assert scores.shape == (4,)
+    for name in "ab":  # two episodes each (across the two vector envs of 3 and 1), reset with their own seeds
+        assert sorted(s for n, k, s in log if n == name and k == "reset") == [7, 8]
+        assert sum(1 for n, k, _ in log if n == name and k == "act") == 2 * 3
+
+
 def test_suite_policies_act_in_the_ground_truth():
     from iws_gym.tasks.pusht.groundtruth import make_env
     from iws_gym.policies.scripted import suite

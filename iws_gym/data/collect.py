@@ -123,7 +123,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     )
 
 
-HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery", "random")
+HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery", "random", "expert")
 
 
 def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", first: int = 0, progress: bool = False,
@@ -133,7 +133,8 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", 
 
     behaviour="mix": the training behaviour mix; "unseen": the evaluation-only Sweep policy; "jittery":
     whole-episode jittery pushes (`iws collect --mix jittery`); "random": a uniform-random target every step
-    (the evaluation-only RandomTargets, as `iws eval stability` drives the model)."""
+    (the evaluation-only RandomTargets, as `iws eval stability` drives the model); "expert": the planning
+    expert's competent pushes (PlanningPusher), for the whole horizon (it does not stop at success)."""
     from tqdm import tqdm
 
     if behaviour not in HELDOUT_BEHAVIOURS:
@@ -148,6 +149,10 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", 
             yield collect_episode(task, seed, steps, env, plan=episode_plan("jittery", seed, steps))
         elif behaviour == "random":
             yield collect_episode(task, seed, steps, env, plan=episode_plan("random", seed, steps))
+        elif behaviour == "expert":  # under another name than the demonstrations' "expert": no stop at success
+            from iws_gym.tasks.pusht.expert import PlanningPusher
+
+            yield collect_episode(task, seed, steps, env, plan=[("expert_heldout", PlanningPusher(np.random.default_rng([seed, 3])), steps)])
         else:
             yield collect_episode(task, seed, steps, env, plan=[("sweep", Sweep(np.random.default_rng(seed)), steps)])
 

@@ -106,6 +106,40 @@ def list_episodes(root: Path) -> list[Path]:
     return sorted(root.glob("ep_*.h5"))
 
 
+def merge_datasets(sources, out: Path) -> dict:
+    """One dataset made of several (e.g. scripted play and expert demonstrations): OUT holds relative
+    symbolic links ep_000000.h5 ... to every source's episodes in order, and a dataset.json that names
+    each source with its seeds and mix. Sources must be of one task and frame size. Nothing is copied,
+    and OUT is refused unless it is new or empty. Returns the written metadata."""
+    out = Path(out)
+    sources = [Path(s) for s in sources]
+    if len(sources) < 2:
+        raise DatasetError(f"--data needs at least two datasets to merge, got {len(sources)}")
+    if any(out.resolve() == s.resolve() for s in sources):
+        raise DatasetError(f"output {out} is one of the sources")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DatasetError(f"output {out} exists and is not an empty directory")
+    metas, paths = [load_meta(s) for s in sources], [list_episodes(s) for s in sources]
+    for s, m, ps in zip(sources, metas, paths):
+        if not ps:
+            raise DatasetError(f"no episodes (ep_*.h5) in {s}")
+        for k in ("task", "frame_size"):
+            if m.get(k) != metas[0].get(k):
+                raise DatasetError(f"datasets differ in {k}: {sources[0]} has {metas[0].get(k)!r}, {s} has {m.get(k)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    merged, i = [], 0
+    for s, m, ps in zip(sources, metas, paths):
+        merged.append(dict(data=str(s), first_episode=i, episodes=len(ps),
+                           **{k: m[k] for k in ("seed", "seeds", "mix", "steps", "generated") if k in m}))
+        for src in ps:
+            os.symlink(os.path.relpath(src.resolve(), out.resolve()), out / f"ep_{i:06d}.h5")
+            i += 1
+    meta = dict(task=metas[0]["task"], episodes=i, frame_size=metas[0].get("frame_size"), seed=None, mix="merged",
+                merged_from=merged, **{k: metas[0][k] for k in ("ground_truth", "gym_pusht_version") if k in metas[0]})
+    write_json_atomic(out / "dataset.json", meta)
+    return meta
+
+
 def load_meta(root: Path) -> dict:
     p = Path(root) / "dataset.json"
     if not p.is_file():

@@ -121,38 +121,68 @@ class LatentEpisodes:
         if jump_focus + focus > 1:
             raise ValueError(f"focus + jump_focus must be <= 1, got {focus} + {jump_focus}")
         use_jumps, use_hard = jump_focus > 0 and len(self.jumps) > 0, focus > 0 and len(self.hard) > 0
-        ctx, act, tgt, nv, agent = [], [], [], [], []
-        for e in rng.integers(0, len(self.latents), batch):
-            u = rng.random() if use_jumps or use_hard else 1.0
-            pool = self.jumps if use_jumps and u < jump_focus else self.hard if use_hard and u < jump_focus + focus else None
-            if pool is not None:
-                e, t = (int(v) for v in pool[rng.integers(0, len(pool))])
-                t = min(t, len(self.actions[e]) - R - 1)
-            else:
-                t = int(rng.integers(0, len(self.actions[e]) - R))  # frames t+1 .. t+R+1 exist
-            Z, A = self.latents[e], self.actions[e]
-            n_valid = min(int(rng.integers(1, K + 1)), t + 1)
-            idx = np.clip(np.arange(t - K + 1, t + 1), t - n_valid + 1, None)
-            c = Z[idx]
-            if drop_agent > 0 or corrupt_block > 0:
-                u = rng.random()
-                alt = self.erased if u < drop_agent else self.corrupted if u < drop_agent + corrupt_block else None
-                if alt is not None:
-                    j = n_valid if (drop_all or corrupt_all) else int(rng.integers(1, n_valid + 1))
-                    c = torch.cat([c[: K - j], alt[e][idx[K - j :]]])
-            ctx.append(c)
-            a = np.concatenate([A[idx], A[t + 1 : t + R + 1]]).astype(np.float32)
-            a[: K - n_valid] = 0.0
-            act.append(a)
-            if self.agent is not None:  # the agent's position in each slot's frame (also where it was erased)
-                P = self.agent[e]
-                p = np.concatenate([P[idx], P[t + 1 : t + R + 1]]).astype(np.float32)
-                p[: K - n_valid] = 0.0
-                agent.append(p)
-            tgt.append(Z[t + 1 : t + R + 2])
-            nv.append(n_valid)
-        agent = torch.from_numpy(np.stack(agent)) if self.agent is not None else None
-        return torch.stack(ctx).float(), torch.from_numpy(np.stack(act)), torch.stack(tgt).float(), torch.tensor(nv), agent
+        f = self._flat()
+        n_act = f["n_act"]
+        # which transition each window ends at: uniform, or from the jump / hard pools
+        e = rng.integers(0, len(self.latents), batch)
+        t = (rng.random(batch) * (n_act[e] - R)).astype(np.int64)  # frames t+1 .. t+R+1 exist
+        if use_jumps or use_hard:
+            u = rng.random(batch)
+            for use, pool, m in ((use_jumps, "jumps", u < jump_focus), (use_hard, "hard", (u >= jump_focus) & (u < jump_focus + focus))):
+                if use and m.any():
+                    pool = getattr(self, pool)
+                    pick = pool[rng.integers(0, len(pool), int(m.sum()))]
+                    e[m] = pick[:, 0]
+                    t[m] = np.minimum(pick[:, 1], n_act[pick[:, 0]] - R - 1)
+        n_valid = np.minimum(rng.integers(1, K + 1, batch), t + 1)
+        idx = np.maximum(t[:, None] + np.arange(1 - K, 1)[None], (t - n_valid + 1)[:, None])  # (B, K) frame index
+        frame = f["z_off"][e][:, None] + idx                                                # into the flat latents
+        ctx = f["z"][torch.from_numpy(frame)]
+        if drop_agent > 0 or corrupt_block > 0:  # the last j context frames from an altered rendering
+            u = rng.random(batch)
+            j = n_valid if (drop_all or corrupt_all) else rng.integers(1, n_valid + 1)
+            late = np.arange(K)[None] >= (K - j)[:, None]                                   # (B, K)
+            for key, m in (("erased", u < drop_agent), ("corrupted", (u >= drop_agent) & (u < drop_agent + corrupt_block))):
+                sel = torch.from_numpy(m[:, None] & late)
+                if sel.any():
+                    ctx[sel] = f[key][torch.from_numpy(frame)[sel]]
+        pad = torch.from_numpy(np.arange(K + R)[None] < (K - n_valid)[:, None])            # (B, K + R) padded slots
+        steps = np.concatenate([idx, t[:, None] + 1 + np.arange(R)[None]], axis=1)          # (B, K + R)
+        act = f["a"][torch.from_numpy(f["a_off"][e][:, None] + steps)]
+        act[pad] = 0.0
+        agent = None
+        if self.agent is not None:  # the agent's position in each slot's frame (also where it was erased)
+            agent = f["agent"][torch.from_numpy(f["z_off"][e][:, None] + steps)]
+            agent[pad] = 0.0
+        tgt = f["z"][torch.from_numpy(f["z_off"][e][:, None] + t[:, None] + 1 + np.arange(R + 1)[None])]
+        return ctx.float(), act, tgt.float(), torch.from_numpy(n_valid), agent
+
+    def _flat(self) -> dict:
+        """The episodes concatenated once (latents, actions, agent positions, altered latents) with each
+        episode's offset, so a batch of windows is a few gathers; the per-episode lists become views into
+        them (no copy kept). Rebuilt when one of the lists is replaced."""
+        names = ("latents", "actions", "agent", "erased", "corrupted")
+        cached = getattr(self, "_flat_cache", None)
+        if cached is not None and all(getattr(self, n) is o for n, o in zip(names, cached[0])):
+            return cached[1]
+        n_z = np.array([len(z) for z in self.latents])
+        n_act = np.array([len(a) for a in self.actions])
+        f = dict(n_act=n_act, z_off=np.concatenate([[0], np.cumsum(n_z)[:-1]]).astype(np.int64),
+                 a_off=np.concatenate([[0], np.cumsum(n_act)[:-1]]).astype(np.int64))
+        f["z"] = torch.cat(list(self.latents))
+        self.latents = list(f["z"].split(n_z.tolist()))
+        f["a"] = torch.from_numpy(np.concatenate(self.actions).astype(np.float32))
+        if self.agent is not None:
+            if any(len(p) != n for p, n in zip(self.agent, n_z)):
+                raise ValueError("agent positions must have one row per frame of each episode")
+            f["agent"] = torch.from_numpy(np.concatenate(self.agent).astype(np.float32))
+        for key in ("erased", "corrupted"):
+            alt = getattr(self, key)
+            if alt is not None:
+                f[key] = torch.cat(list(alt))
+                setattr(self, key, list(f[key].split(n_z.tolist())))
+        self._flat_cache = (tuple(getattr(self, n) for n in names), f)
+        return f
 
 
 _ENVS: dict = {}  # one gym-pusht renderer per frame size and process

@@ -57,6 +57,7 @@ def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
 
 
 LEARNED_BATCH = 32  # episodes per vector env in run_learned
+SUITE_BATCH = 128  # episodes (of all policies together) per vector env in the correlation study's learned side
 
 
 def _precision(device: str) -> str:
@@ -68,9 +69,12 @@ def _precision(device: str) -> str:
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
                 best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None,
-                trust_min: list | None = None, stop_untrusted: bool = False):
+                trust_min: list | None = None, stop_untrusted: bool = False, runner_seeds=None, env_seed: int | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
-    episode. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
+    episode. `factory` may also be a list, one factory per state: several policies then share each vector
+    env (the world model steps them in one batch); `runner_seeds` (one per state, default seed + index)
+    are what each episode's policy is reset with; `env_seed` (default `seed`) + the batch's first index
+    seeds each vector env. If `best_frames` is a list, the observed frame at each episode's best coverage is appended
     to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
     the first batch's episodes are appended to it, one (n, H, W, 3) array per step (an episode that has
     ended repeats its last frame). If `trust_min` is a list, each episode's lowest trust (models/trust.py)
@@ -81,6 +85,10 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     import iws_gym  # noqa: F401
 
     n = len(states)
+    factories = factory if isinstance(factory, (list, tuple)) else [factory] * n
+    runner_seeds = np.arange(seed, seed + n) if runner_seeds is None else np.asarray(runner_seeds)
+    if len(factories) != n or len(runner_seeds) != n:
+        raise ValueError(f"{len(factories)} factories and {len(runner_seeds)} runner seeds for {n} start states")
     scores = np.zeros(n)
     t0 = time.time()
     for b0 in range(0, n, batch):
@@ -88,8 +96,8 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         envs = gym.make_vec("IWS-TPushing-v0", num_envs=len(idx), checkpoint=checkpoint, device=device,
                             max_episode_steps=horizon + 1, reencode=reencode,
                             reencode_every=reencode_every)
-        obs, info = envs.reset(seed=seed + b0, options={"reset_to_states": states[idx]})
-        runners = [_Runner(factory, seed + i) for i in idx]
+        obs, info = envs.reset(seed=(seed if env_seed is None else env_seed) + b0, options={"reset_to_states": states[idx]})
+        runners = [_Runner(factories[i], int(runner_seeds[i])) for i in idx]
         best = np.array(info["coverage"], dtype=float)
         tmin = np.array(info["trust_min"], dtype=float)
         keep = best_frames is not None
@@ -432,6 +440,38 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
     return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
 
 
+def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon: int, seed: int, checkpoint, device: str,
+                       reencode: bool = True, reencode_every: int | None = None, stop_untrusted: bool = False,
+                       threads: int | None = None, first: int = 0, batch: int = SUITE_BATCH):
+    """A group of the suite's policies in the learned world at once: their episodes share vector envs
+    of `batch` worlds, so the world model steps them together (each episode keeps its policy, start state and
+    seeds, as in `_suite_run`). `first`: the index of this group's first episode in the whole suite (its
+    vector envs are seeded as if the suite ran as one list). Returns name -> what `_suite_run` returns for
+    the learned world."""
+    import torch
+
+    from iws_gym.policies.scripted import suite
+    from iws_gym.envs.registry import load_task
+
+    if threads:
+        torch.set_num_threads(threads)
+    task = load_task(task_name)
+    built = suite()
+    factories = {n: load_policy_factory(specs[n]) if specs.get(n) else built[n] for n in names}
+    n_ep = len(states)
+    all_states = np.concatenate([states] * len(names))
+    frames, tmin = [], []
+    scores, sec = run_learned(task, [factories[n] for n in names for _ in range(n_ep)], all_states, horizon, seed, checkpoint,
+                              device, batch=batch, reencode=reencode, best_frames=frames, reencode_every=reencode_every,
+                              trust_min=tmin, stop_untrusted=stop_untrusted, runner_seeds=np.tile(np.arange(seed, seed + n_ep), len(names)),
+                              env_seed=seed + first)
+    scorer = TPushCoverageScorer(method="pose")
+    pose = np.array([scorer.coverage(f) for f in frames])
+    tmin = np.array(tmin)
+    return {n: (scores[k * n_ep:(k + 1) * n_ep], sec, pose[k * n_ep:(k + 1) * n_ep], tmin[k * n_ep:(k + 1) * n_ep])
+            for k, n in enumerate(names)}
+
+
 def suite_trust(per: dict) -> dict:
     """The study over trusted episodes only: per policy the mean score over its trusted episodes in both
     worlds, and across policies the mean |gap| over all episodes against over trusted ones, and the share kept."""
@@ -464,9 +504,10 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
 
-    workers > 1 runs that many (policy, world) jobs at once in separate processes (one torch thread
-    each), the frame-reading pushers first because they are the slowest: those policies spend most of
-    their time in single-threaded numpy, so two workers on a 2-core machine nearly halve the wall time.
+    The learned world runs the policies in groups whose episodes fill one vector env of up to SUITE_BATCH
+    worlds, so the world model steps a group in one batch (the per-episode seconds are the group's, shared).
+    workers > 1 runs those groups and the per-policy gym-pusht jobs in separate processes (one torch
+    thread each), the learned groups and the frame-reading pushers first because they are the slowest.
     Every job sees the same starts and seeds either way. `extra` adds policies to the suite, name -> spec
     (MODULE:CALLABLE or a policy's .safetensors, see load_policy_factory)."""
     from tqdm import tqdm
@@ -495,16 +536,29 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     states = start_states(task, episodes, seed)
     t0 = time.time()
     args = (states, horizon, seed, str(checkpoint) if checkpoint else None, device, reencode, reencode_every, stop_untrusted)
-    jobs = sorted(((n, w) for n in policies for w in ("learned", "ground_truth")), key=lambda j: "pusher" not in j[0])
+    # the learned world: groups of policies whose episodes fill one vector env each (the same groups
+    # whatever the workers, so the same batches and scores); gym-pusht: one job per policy
+    names = list(policies)
+    g = max(1, SUITE_BATCH // episodes)
+    groups = [(names[i:i + g], i * episodes) for i in range(0, len(names), g)]
+    jobs = sorted(((n, "ground_truth") for n in names), key=lambda j: "pusher" not in j[0])
     if workers == 1:
-        res = {j: _suite_run(task.name, *j, *args, extra.get(j[0])) for j in tqdm(jobs, desc="policy suite (policy x world)")}
+        res = {}
+        for group, first in tqdm(groups, desc="policy suite in the learned world"):
+            res.update({(n, "learned"): r for n, r in _suite_run_learned(task.name, group, extra, *args, None, first).items()})
+        res.update({j: _suite_run(task.name, *j, *args, extra.get(j[0]))
+                    for j in tqdm(jobs, desc="policy suite in gym-pusht")})
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            learned = [pool.submit(_suite_run_learned, task.name, group, extra, *args, 1, first)  # first: the longest
+                       for group, first in groups]
             futs = {pool.submit(_suite_run, task.name, *j, *args, extra.get(j[0]), 1): j for j in jobs}
-            res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite (policy x world)")}
+            res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite in gym-pusht")}
+            for f in tqdm(learned, desc="policy suite in the learned world"):
+                res.update({(n, "learned"): r for n, r in f.result().items()})
     per = {}
     for name in policies:  # the suite's order, whatever finished first
         (learned, t_l, pose, tmin), (gt, t_g, gt_px, _) = res[(name, "learned")], res[(name, "ground_truth")]

@@ -179,7 +179,7 @@ def plot(e: dict, report: dict, path) -> None:
 
 
 def trust_report(task: TaskConfig, checkpoint=None, episodes: int = 16, steps: int = 120, split: str = "test",
-                 behaviours=HELDOUT_BEHAVIOURS, fit_calibration: bool = False, fit_episodes: int = 16,
+                 behaviours=("mix", "unseen", "jittery", "random"), fit_calibration: bool = False, fit_episodes: int = 16,
                  alpha: float = 0.1, force: bool = False, plot_path=None, device: str = "auto") -> dict:
     """See the module docstring. With fit_calibration, the calibration is written to CHECKPOINT/trust.json
     (refused if one is there, unless `force`)."""
