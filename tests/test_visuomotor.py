@@ -24,6 +24,19 @@ def policy_run(tiny_dataset, val_dataset, tmp_path_factory):
     return out, resumed
 
 
+
+def _fit(net, batch, steps: int = 300, lr: float = 3e-3) -> dict:
+    """Adam on one fixed batch; returns the last step's logs."""
+    import torch
+
+    opt = torch.optim.Adam(net.parameters(), lr)
+    for _ in range(steps):
+        loss, logs = net.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return logs
+
 def test_train_policy_resumes_and_writes_releases_along_training(policy_run, tiny_dataset, val_dataset):
     from iws_gym.models.checkpoint import load_release
     from iws_gym.policies.visuomotor import VisuomotorConfig
@@ -77,12 +90,7 @@ def test_policy_learns_the_demonstrations():
         return (net.sample(frames, agent, torch.Generator().manual_seed(1)) - actions).norm(dim=-1).mean().item()
 
     before = err()
-    opt = torch.optim.Adam(net.parameters(), 3e-3)
-    for _ in range(300):
-        loss, _ = net.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _fit(net, batch)
     assert err() < 0.25 * before
 
 
@@ -218,12 +226,7 @@ def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
         return (chunk - actions).norm(dim=-1).mean().item()
 
     before, pose_before = err(), net.loss(batch)[1]["pose_mse"]
-    opt = torch.optim.Adam(net.parameters(), 3e-3)
-    for _ in range(300):
-        loss, logs = net.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    logs = _fit(net, batch)
     assert err() < 0.35 * before and logs["pose_mse"] < 0.5 * pose_before
     with pytest.raises(ValueError, match="reads one whole frame"):
         build_net(VisuomotorConfig(bottleneck="pose"))  # crop 88 < size 96

@@ -413,12 +413,10 @@ def reanalyse(path) -> dict:
     return report
 
 
-def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed: int, checkpoint, device: str,
-               reencode: bool = True, reencode_every: int | None = None, stop_untrusted: bool = False,
-               spec: str | None = None, threads: int | None = None):
-    """One policy of the suite in one world, "learned" or "ground_truth" (top level, so worker processes
-    can run it). Returns (scores, seconds per episode, the scores read another way, and for the learned
-    world each episode's lowest trust)."""
+def _suite_run_ground_truth(task_name: str, name: str, states, horizon: int, seed: int, spec: str | None = None,
+                            threads: int | None = None):
+    """One policy of the suite in gym-pusht (top level, so worker processes can run it). Returns (scores,
+    seconds per episode, the same episodes' frames read by the learned env's pixel scorer, None)."""
     import torch
 
     from iws_gym.policies.scripted import suite
@@ -426,18 +424,9 @@ def _suite_run(task_name: str, name: str, world: str, states, horizon: int, seed
 
     if threads:
         torch.set_num_threads(threads)
-    task = load_task(task_name)
     factory = load_policy_factory(spec) if spec else suite()[name]
-    if world == "learned":
-        frames, tmin = [], []
-        scores, sec = run_learned(task, factory, states, horizon, seed, checkpoint, device, reencode=reencode, best_frames=frames,
-                                  reencode_every=reencode_every, trust_min=tmin, stop_untrusted=stop_untrusted)
-        # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
-        scorer = TPushCoverageScorer(method="pose")
-        pose = np.array([scorer.coverage(f) for f in frames])
-        return scores, sec, pose, np.array(tmin)
-    pixels: list = []  # the same episodes read by the learned env's pixel scorer
-    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
+    pixels: list = []
+    return (*run_ground_truth(load_task(task_name), factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
 
 
 def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon: int, seed: int, checkpoint, device: str,
@@ -445,9 +434,9 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
                        threads: int | None = None, first: int = 0, batch: int = SUITE_BATCH):
     """A group of the suite's policies in the learned world at once: their episodes share vector envs
     of `batch` worlds, so the world model steps them together (each episode keeps its policy, start state and
-    seeds, as in `_suite_run`). `first`: the index of this group's first episode in the whole suite (its
-    vector envs are seeded as if the suite ran as one list). Returns name -> what `_suite_run` returns for
-    the learned world."""
+    seeds). `first`: the index of this group's first episode in the whole suite (its vector envs are seeded
+    as if the suite ran as one list). Returns name -> (scores, seconds per episode, the best frames read by
+    the pose-fit scorer, each episode's lowest trust)."""
     import torch
 
     from iws_gym.policies.scripted import suite
@@ -465,6 +454,7 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
                               device, batch=batch, reencode=reencode, best_frames=frames, reencode_every=reencode_every,
                               trust_min=tmin, stop_untrusted=stop_untrusted, runner_seeds=np.tile(np.arange(seed, seed + n_ep), len(names)),
                               env_seed=seed + first)
+    # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
     scorer = TPushCoverageScorer(method="pose")
     pose = np.array([scorer.coverage(f) for f in frames])
     tmin = np.array(tmin)
@@ -541,13 +531,13 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     names = list(policies)
     g = max(1, SUITE_BATCH // episodes)
     groups = [(names[i:i + g], i * episodes) for i in range(0, len(names), g)]
-    jobs = sorted(((n, "ground_truth") for n in names), key=lambda j: "pusher" not in j[0])
+    gt_names = sorted(names, key=lambda n: "pusher" not in n)  # the frame-reading pushers first: the slowest
     if workers == 1:
         res = {}
         for group, first in tqdm(groups, desc="policy suite in the learned world"):
             res.update({(n, "learned"): r for n, r in _suite_run_learned(task.name, group, extra, *args, None, first).items()})
-        res.update({j: _suite_run(task.name, *j, *args, extra.get(j[0]))
-                    for j in tqdm(jobs, desc="policy suite in gym-pusht")})
+        res.update({(n, "ground_truth"): _suite_run_ground_truth(task.name, n, states, horizon, seed, extra.get(n))
+                    for n in tqdm(gt_names, desc="policy suite in gym-pusht")})
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -555,7 +545,8 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
             learned = [pool.submit(_suite_run_learned, task.name, group, extra, *args, 1, first)  # first: the longest
                        for group, first in groups]
-            futs = {pool.submit(_suite_run, task.name, *j, *args, extra.get(j[0]), 1): j for j in jobs}
+            futs = {pool.submit(_suite_run_ground_truth, task.name, n, states, horizon, seed, extra.get(n), 1): (n, "ground_truth")
+                    for n in gt_names}
             res = {futs[f]: f.result() for f in tqdm(as_completed(futs), total=len(futs), desc="policy suite in gym-pusht")}
             for f in tqdm(learned, desc="policy suite in the learned world"):
                 res.update({(n, "learned"): r for n, r in f.result().items()})
