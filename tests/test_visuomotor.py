@@ -1,4 +1,5 @@
 """The visuomotor policy (policies/visuomotor.py) and `iws train-policy` (training/policy.py)."""
+import dataclasses
 import json
 
 import numpy as np
@@ -189,9 +190,11 @@ def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_d
     assert d["A"].shape == (2, 16, 2) and d["P"].shape == (2, 2, 2) and d["B"].shape == (2, 3)  # chunk starts 0 and 8
     assert np.isfinite(d["A"]).all() and (d["A"] >= 0).all() and (d["A"] <= 512).all()
     assert json.loads((tmp_path / "r1.json").read_text())["expert_chunk_share"] == 1.0  # beta 1: every chunk the expert's
-    run_iws("train-policy", *common, "--out", tmp_path / "q", "--labels", labels)
+    run_iws("train-policy", *common, "--out", tmp_path / "q", "--labels", labels, "--init",
+            tmp_path / "p" / "visuomotor.safetensors", "--pose-noise", 0.5)
     policy = load_policy_factory(str(tmp_path / "q" / "visuomotor.safetensors"))()
     assert policy.meta["labels"] == str(labels) and policy.cfg.bottleneck == "pose"
+    assert policy.cfg.pose_noise == 0.5  # over the --init release's 2.0
     for size in (96, 128):
         policy.reset(seed=0)
         a = policy({"pixels": np.full((size, size, 3), 255, np.uint8), "agent_pos": np.array([256.0, 256.0])})
@@ -199,20 +202,24 @@ def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_d
     bad = run_iws("train-policy", "--data", tiny_dataset, "--out", tmp_path / "x", "--preset", "tiny", "--steps", 1,
                   "--labels", labels, check=False)
     assert bad.returncode != 0 and "needs a pose-bottleneck policy" in bad.stderr
+    bad = run_iws("train-policy", *common, "--out", tmp_path / "z", "--pose-noise", -1, check=False)
+    assert bad.returncode != 0 and "--pose-noise must be >= 0" in bad.stderr
     bad = run_iws("dagger", "--policy", tmp_path / "p" / "visuomotor.safetensors", "--seed", 999_999, "--episodes", 2,
                   "--out", tmp_path / "y.npz", check=False)
     assert bad.returncode != 0 and "below the held-out base" in bad.stderr
 
 
-def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
+@pytest.mark.parametrize("fourier", [0, 6])
+def test_pose_bottleneck_head_learns_the_chunk_from_the_pose(fourier):
     """Fitting one batch: the head, given the recorded pose, samples chunks near the demonstrated ones, and the
-    reader's pose regression falls."""
+    reader's pose regression falls; with or without Fourier features of the state."""
     import torch
 
     from iws_gym.policies.visuomotor import VisuomotorConfig, build_net
 
     torch.manual_seed(0)
-    cfg = VisuomotorConfig(bottleneck="pose", crop=96, hidden=64, head_blocks=1, sample_steps=4, pose_noise=0.0)
+    cfg = VisuomotorConfig(bottleneck="pose", crop=96, hidden=64, head_blocks=1, sample_steps=4, pose_noise=0.0,
+                           state_fourier=fourier)
     net = build_net(cfg)
     g = torch.Generator().manual_seed(0)
     agent = torch.rand(8, 2, 2, generator=g) * 512
@@ -230,6 +237,16 @@ def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
     assert err() < 0.35 * before and logs["pose_mse"] < 0.5 * pose_before
     with pytest.raises(ValueError, match="reads one whole frame"):
         build_net(VisuomotorConfig(bottleneck="pose"))  # crop 88 < size 96
+    if fourier:  # the raw state is kept, and 2 px of block motion moves the finest octave far more than the raw input
+        from iws_gym.policies.visuomotor import pose_features
+
+        p2 = pose + torch.tensor([2.0, 0.0, 0.0])
+        c1, c2 = (net.state_condition(pose_features(p), agent) for p in (pose, p2))
+        raw = 4 + 2 * cfg.n_obs
+        assert c1.shape == (8, raw * (1 + 2 * fourier))
+        torch.testing.assert_close(c1[:, :raw], build_net(dataclasses.replace(cfg, state_fourier=0)).state_condition(
+            pose_features(pose), agent))
+        assert (c2 - c1)[:, raw:].abs().max() > 50 * (c2 - c1)[:, :raw].abs().max()
 
 
 @pytest.mark.slow
