@@ -119,8 +119,6 @@ def test_stage2_needs_a_stage1(tiny_dataset, tmp_path):
     proc = run_iws("train", "stage2", "--data", tiny_dataset, "--init", tmp_path / "nothing", "--out", tmp_path / "o",
                    "--steps", 2, "--preset", "tiny", check=False)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = run_iws("train", "stage2", "--data", tiny_dataset, "--out", tmp_path / "o", "--rollout", -1, check=False)
-    assert proc.returncode == 2 and "--rollout must be >= 0" in proc.stderr
 
 
 def test_target_variants_share_the_context_exactly():
@@ -298,40 +296,6 @@ def test_rollout_windows_line_up_with_their_targets():
     assert (act[:, :K][torch.arange(K)[None].expand(64, K) < (K - nv)[:, None]] == 0).all()  # padded slots: no action
 
 
-class _PlusOneModule(torch.nn.Module, _PlusOne):
-    """_PlusOne as a module (rolled_window switches it to eval mode and back)."""
-
-
-def test_own_rollout_windows_end_in_the_models_predictions_and_keep_the_real_target():
-    """--rollout: the last d context frames are the model's own open-loop predictions from the real frames
-    before them; the actions, agent rows and target are those of the real window d steps later."""
-    from types import SimpleNamespace
-
-    from iws_gym.training.stage2 import Stage
-
-    lat, K, d = _counting_latents(), 4, 3
-    ctx, act, tgt, nv, _ = lat.sample_rollout(np.random.default_rng(0), 64, K, d)
-    agent = act.clone()  # rows that line up with the actions, to check they move with the window
-    model = _PlusOneModule().train()
-    stage = SimpleNamespace(config=SimpleNamespace(context=K), model=model, o=SimpleNamespace(rollout_reencode=False),
-                            device=torch.device("cpu"), a=SimpleNamespace(amp=False))
-    c2, a2, t2, nv2, ag2 = Stage.rolled_window(stage, ctx, act, tgt, nv, agent, d)
-    assert model.training  # handed back in training mode
-    t = ctx[:, -1, 0, 0, 0]
-    assert torch.equal(c2[:, -1, 0, 0, 0], t + d) and torch.equal(t2[:, 0, 0, 0], t + d + 1)
-    assert torch.equal(c2[:, : K - d], ctx[:, d:])  # the real frames, shifted
-    assert torch.equal(a2, act[:, d:d + K]) and torch.equal(ag2, agent[:, d:d + K])
-    assert torch.equal(nv2, (nv + d).clamp(max=K))
-
-    class PlusTwo(_PlusOneModule):  # a drifting model: its frames, not the real ones, fill the window
-        def predict(self, ctx, actions, n_valid, agent=None, steps=1, generator=None):
-            return ctx[:, -1] + 2
-
-    stage.model = PlusTwo()
-    c3, _, t3, _, _ = Stage.rolled_window(stage, ctx, act, tgt, nv, agent, d)
-    assert torch.equal(c3[:, -1, 0, 0, 0], t + 2 * d) and torch.equal(t3[:, 0, 0, 0], t + d + 1)
-
-
 def test_focus_draws_the_listed_transitions():
     lat, K = _counting_latents(), 4
     lat.hard = np.array([[0, 7], [1, 33]])
@@ -412,7 +376,7 @@ def test_finetune_starts_from_the_release_and_rolls_out(tiny_dataset, tiny_check
 
     out = tmp_path / "ft"
     run_iws("train", "stage2", "--data", tiny_dataset, "--init", tiny_checkpoint, "--finetune", tiny_checkpoint,
-            "--focus", 0.5, "--drop-agent", 0.5, "--corrupt-block", 0.25, "--rollout", 2, "--out", out,
+            "--focus", 0.5, "--drop-agent", 0.5, "--corrupt-block", 0.25, "--out", out,
             "--steps", 3, "--batch", 4, "--lr", 0, "--eval-every", 2, "--warmup", 1)
     r = json.loads((out / "train_result.json").read_text())
     assert {"open_loop_mse_step16", "open_loop_mse_step16_copy_first", "open_loop_reencoded_mse_step16"} <= set(r["eval"])

@@ -50,9 +50,6 @@ class VisuomotorConfig:
     pose_noise: float = 2.0  # (pose) std of the noise on the recorded pose the head trains on: px, and px / 100 rad
     frame_every: int = 16    # (pose) the pose reader trains on every N-th batch (the head is cheap, the reader is not)
     frame_batch: int = 64    # (pose) frames per reader batch
-    state_fourier: int = 0   # (pose) octaves of Fourier features of the head's state input (block pose, agent
-                             # positions): sin and cos of 2^k pi s, k < N, beside s itself, so that the head can resolve
-                             # the few px that finish a push (an MLP on raw inputs is smooth at that scale); 0: s only
 
 
 def to_unit(pos: torch.Tensor) -> torch.Tensor:
@@ -224,16 +221,11 @@ class PoseBottleneckNet(nn.Module):
                              f"{cfg.crop}, size {cfg.size}, n_frames {cfg.n_frames}")
         self.cfg = cfg
         self.reader = PoseReader()
-        self.cond_dim = (4 + cfg.n_obs * 2) * (1 + 2 * cfg.state_fourier)
-        self.register_buffer("octaves", math.pi * 2.0 ** torch.arange(cfg.state_fourier), persistent=False)
+        self.cond_dim = 4 + cfg.n_obs * 2
         self.head = FlowHead(cfg, self.cond_dim)
 
     def state_condition(self, pose4: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
-        s = torch.cat([pose4.float(), to_unit(agent).flatten(1)], 1)  # (B, 4 + 2 n_obs), each in [-1, 1]
-        if not self.cfg.state_fourier:
-            return s
-        arg = (s[:, :, None] * self.octaves).flatten(1)
-        return torch.cat([s, arg.sin(), arg.cos()], 1)
+        return torch.cat([pose4.float(), to_unit(agent).flatten(1)], 1)
 
     def condition(self, frames: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
         return self.state_condition(self.reader(frames[:, -1]), agent)

@@ -36,8 +36,6 @@ class Options:
                                        "0, or the --init release's)")
     pose_noise: float | None = arg(None, "(pose presets) std of the noise on the recorded pose the head trains on, px "
                                          "(and px / 100 rad); default: the config's, 2, or the --init release's")
-    state_fourier: int | None = arg(None, "(pose presets, new policies) octaves of Fourier features of the head's state "
-                                          "input (VisuomotorConfig.state_fourier); default: the preset's, 0")
     init: str | None = arg(None, "start from this policy release (its config and weights; --preset is ignored), e.g. "
                                  "to continue on demonstrations that add the expert's corrections")
     labels: str | None = arg(None, "(pose presets) the expert's corrections on states a learner reached: label files of "
@@ -92,13 +90,6 @@ class Stage(StageBase):
             if o.pose_aux < 0:
                 raise ValueError(f"--pose-aux must be >= 0, got {o.pose_aux}")
             cfg = dataclasses.replace(cfg, pose_aux=o.pose_aux)
-        if o.state_fourier is not None:
-            if o.init and o.state_fourier != cfg.state_fourier:
-                raise ValueError(f"--state-fourier {o.state_fourier}: the --init release has {cfg.state_fourier}; its head "
-                                 f"cannot take another input")
-            if not 0 <= o.state_fourier <= 12:
-                raise ValueError(f"--state-fourier must be in 0..12, got {o.state_fourier}")
-            cfg = dataclasses.replace(cfg, state_fourier=o.state_fourier)
         if o.pose_noise is not None:
             if o.pose_noise < 0:
                 raise ValueError(f"--pose-noise must be >= 0, got {o.pose_noise}")

@@ -21,7 +21,6 @@ from iws_gym.data.latents import (LatentEpisodes, agent_erased_latents, agent_ju
 from iws_gym.models.checkpoint import find_release, git_commit, load_release, load_stage, load_state_checked, save_release
 from iws_gym.models.decoder import Stage1, Stage1Config, decode
 from iws_gym.models.dynamics import DynamicsConfig, Stage2, fit_agent_motion
-from iws_gym.models.hardware import autocast
 from iws_gym.training.common import StageBase, arg
 
 
@@ -58,12 +57,6 @@ class Options:
                                 "(a sparsity prior: the flow is near zero wherever nothing moves); 0: no gate")
     sigma_max: float | None = arg(None, "the highest noise level: where sampling starts and the consistency jump "
                                         "comes from (default: the config's, 80; DIAMOND's Euler sampler: 5)")
-    rollout: int = arg(0, "train on the model's own rollouts (Self Forcing / Step Forcing): each window's last d "
-                          "context frames, d uniform in 0..N, are the model's own open-loop predictions (no gradient) "
-                          "from the real frames before them, re-encoded as the env does; the target stays the real "
-                          "next latent, so the model learns to pull a drifting rollout back. 0: teacher forcing only")
-    rollout_reencode: bool = arg(True, "--rollout: decode and encode each prediction again before it joins the "
-                                       "context, as the env does (WorldModel.step)")
 
 
 PRESETS = {  # DynamicsConfig changes per --preset
@@ -117,8 +110,6 @@ class Stage(StageBase):
             raise ValueError(f"--focus + --jump-focus must be <= 1, got {o.focus} + {o.jump_focus}")
         if o.jump_focus > 0 and not o.agent_track:
             raise ValueError("--jump-focus reads the recorded agent positions: pass --agent-track")
-        if o.rollout < 0:
-            raise ValueError(f"--rollout must be >= 0, got {o.rollout}")
         if o.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {o.preset!r}")
         self.stage1, _, self.stage1_file = load_stage(o.init or self.task.checkpoint_path, "stage1", Stage1Config,
@@ -244,31 +235,11 @@ class Stage(StageBase):
         return tuple(None if t is None else t.to(self.device) for t in windows)
 
     def sample_batch(self, rng, batch):
-        o, K = self.o, self.config.context
-        d = int(rng.integers(0, o.rollout + 1)) if o.rollout else 0  # how many context frames are the model's own
+        o = self.o
         ctx, act, tgt, nv, agent = self._to(self.data.sample_rollout(
-            rng, batch, K, d, focus=o.focus, drop_agent=o.drop_agent,
+            rng, batch, self.config.context, 0, focus=o.focus, drop_agent=o.drop_agent,
             corrupt_block=o.corrupt_block, jump_focus=o.jump_focus))
-        if d == 0:
-            return ctx, act, tgt[:, 0], nv, agent
-        return self.rolled_window(ctx, act, tgt, nv, agent, d)
-
-    @torch.no_grad()
-    def rolled_window(self, ctx, act, tgt, nv, agent, d: int):
-        """A training window whose last d context frames are the model's own open-loop predictions from the
-        real ones (sample_rollout with R = d), and whose target is the real latent after them."""
-        K, model = self.config.context, self.model
-        was_training = model.training
-        model.eval()
-        with autocast(self.device, self.a.amp):
-            for i in range(d):  # open_loop's steps, keeping the window the env would hold
-                z = model.predict(ctx, act[:, i:i + K], nv, None if agent is None else agent[:, i:i + K]).float()
-                if self.o.rollout_reencode:
-                    z = reencode_latents(self.stage1, z).float()
-                ctx = torch.cat([ctx[:, 1:], z[:, None].to(ctx.dtype)], dim=1)
-                nv = (nv + 1).clamp(max=K)
-        model.train(was_training)
-        return ctx, act[:, d:d + K], tgt[:, d], nv, None if agent is None else agent[:, d:d + K]
+        return ctx, act, tgt[:, 0], nv, agent
 
     def evaluate(self, ema) -> dict:
         ctx, act, tgt, nv, ag = self._to(self.eval_batch)
