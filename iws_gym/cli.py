@@ -239,7 +239,7 @@ def _add_reencode_every(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iws_gym.data.collect import HELDOUT_BEHAVIOURS
+    from iws_gym.data.collect import HELDOUT_BEHAVIOURS, PLAY_BEHAVIOURS
     from iws_gym.data.splits import SPLITS
 
     p = argparse.ArgumentParser(prog="iws", description="iws-gym: a learned Push-T simulator as a Gymnasium env")
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     etr.add_argument("--episodes", type=int, default=16, help="episodes per behaviour")
     etr.add_argument("--steps", type=int, default=120)
     etr.add_argument("--split", default="test", help="held-out split reported on (data.splits)")
-    etr.add_argument("--behaviours", nargs="+", default=["mix", "unseen", "jittery", "random"],
+    etr.add_argument("--behaviours", nargs="+", default=list(PLAY_BEHAVIOURS),
                      help="held-out behaviours replayed (data.collect.HELDOUT_BEHAVIOURS)")
     etr.add_argument("--fit", action="store_true", help="first fit the calibration on validation episodes and write "
                                                          "it to CHECKPOINT/trust.json")

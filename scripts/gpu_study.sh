@@ -30,10 +30,9 @@ if [ "$SCALE" = tiny ]; then
             "transport_gated_df|$DN --ctx-noise per_frame --transport --flow-gate 0.02")
 else
   COLLECT=(--episodes 600); MIN1=${IWS_STUDY_STAGE1_MINUTES:-2.0}; MIN2=${IWS_STUDY_STAGE2_MINUTES:-3.5}
-  B1=128; B2=256; P1=pool; P2=default; EVAL_TIMEOUT=${IWS_STUDY_EVAL_SECONDS:-100}
+  B1=128; B2=${IWS_STUDY_BATCH:-256}; P1=pool; P2=default; EVAL_TIMEOUT=${IWS_STUDY_EVAL_SECONDS:-100}
   FID=(--horizon 64 --episodes 16); STAB=(--steps 1000 --check-every 10)
   DN="--objective denoise --sample-steps 4 --p-mean -0.4 --sigma-max 5"
-  B2=${IWS_STUDY_BATCH:-256}
   VARIANTS=(
     "consistency|--objective consistency"
     "consistency_df|--objective consistency --ctx-noise per_frame"

@@ -123,7 +123,8 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     )
 
 
-HELDOUT_BEHAVIOURS = ("mix", "unseen", "jittery", "random", "expert")
+PLAY_BEHAVIOURS = ("mix", "unseen", "jittery", "random")  # scripted play and its variants (the trust calibration's)
+HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
 
 
 def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", first: int = 0, progress: bool = False,

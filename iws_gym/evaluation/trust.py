@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from iws_gym.data.collect import HELDOUT_BEHAVIOURS, heldout_episodes
+from iws_gym.data.collect import HELDOUT_BEHAVIOURS, PLAY_BEHAVIOURS, heldout_episodes
 from iws_gym.envs.registry import TaskConfig
 from iws_gym.models import trust as T
 from iws_gym.models.world_model import WorldModel
@@ -179,7 +179,7 @@ def plot(e: dict, report: dict, path) -> None:
 
 
 def trust_report(task: TaskConfig, checkpoint=None, episodes: int = 16, steps: int = 120, split: str = "test",
-                 behaviours=("mix", "unseen", "jittery", "random"), fit_calibration: bool = False, fit_episodes: int = 16,
+                 behaviours=PLAY_BEHAVIOURS, fit_calibration: bool = False, fit_episodes: int = 16,
                  alpha: float = 0.1, force: bool = False, plot_path=None, device: str = "auto") -> dict:
     """See the module docstring. With fit_calibration, the calibration is written to CHECKPOINT/trust.json
     (refused if one is there, unless `force`)."""
