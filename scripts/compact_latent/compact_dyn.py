@@ -1,0 +1,164 @@
+"""Ablation (issue 36): dynamics on the compact global latent: an MLP over K latents, agent positions and actions,
+trained on unrolled open-loop windows. Usage:
+  python scripts/compact_latent/compact_dyn.py encode RUN          # encode data/play_expert -> RUN/latents.npz
+  python scripts/compact_latent/compact_dyn.py train RUN MINUTES H # train the dynamics with H-step unrolls
+"""
+import sys, time, math, json, random
+import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))
+from compact_ae import Enc, Dec
+from iws_gym.data.episodes import read_episode, list_episodes
+
+K = 4
+LAW = (0.697776, -0.107374, 0.295672, 0.113927, 0.704328, 0.295672)
+
+
+def load_ae(run):
+    ck = torch.load(Path(run) / "ae.pt")
+    enc, dec = Enc(ck["D"]), Dec(ck["D"])
+    enc.load_state_dict(ck["enc"]); dec.load_state_dict(ck["dec"])
+    return enc.eval(), dec.eval(), ck["D"]
+
+
+def landing(p, a, n_valid):
+    """p, a (B, K, 2) in [0,1] units; law in canvas units is linear so scale-free."""
+    c0, c1, c2, c3, d0, d1 = LAW
+    two = c0 * p[:, -1] + c1 * p[:, -2] + c2 * a[:, -1] + c3 * a[:, -2]
+    one = d0 * p[:, -1] + d1 * a[:, -1]
+    return torch.where((n_valid >= 2)[:, None], two, one)
+
+
+class Dyn(nn.Module):
+    def __init__(s, D, width=512, blocks=6):
+        super().__init__()
+        s.D = D
+        s.inp = nn.Linear(K * (D + 4 + 1) + 2, width)
+        s.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width)) for _ in range(blocks)])
+        s.out = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, D))
+        nn.init.zeros_(s.out[1].weight); nn.init.zeros_(s.out[1].bias)
+        s.register_buffer("z_mu", torch.zeros(D)); s.register_buffer("z_sd", torch.ones(D)); s.register_buffer("dz_sd", torch.ones(D))
+
+    def forward(s, z, p, a, n_valid):
+        """z (B,K,D) context latents (padded slots repeat the first valid), p (B,K,2) agent positions, a (B,K,2) actions
+        taken at each slot, n_valid (B,). Returns z_{t+1}."""
+        B = z.shape[0]
+        mask = (torch.arange(K, device=z.device)[None] >= K - n_valid[:, None]).float()  # valid slots are the last n
+        zn = (z - s.z_mu) / s.z_sd
+        nxt = landing(p, a, n_valid)
+        x = torch.cat([(zn * mask[..., None]).flatten(1), (p * 4 - 2).flatten(1), (a * 4 - 2).flatten(1), mask, nxt * 4 - 2], 1)
+        h = s.inp(x)
+        for b in s.blocks:
+            h = h + b(h)
+        return z[:, -1] + s.out(h) * s.dz_sd
+
+
+def encode(run):
+    enc, dec, D = load_ae(run)
+    out = dict(z=[], p=[], a=[], ep=[])
+    paths = list_episodes(Path("data/play_expert"))
+    import os
+    if os.environ.get("MAX_EPS"):
+        paths = paths[:: len(paths) // int(os.environ["MAX_EPS"])]
+    from tqdm import tqdm
+    with torch.no_grad():
+        for i, path in enumerate(tqdm(paths, desc="encode")):
+            e = read_episode(path, ["frames", "agent_pos", "actions"])
+            zs = []
+            for j in range(0, len(e["frames"]), 128):
+                x = torch.from_numpy(e["frames"][j:j + 128]).permute(0, 3, 1, 2).float() / 127.5 - 1
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    zs.append(enc(x.contiguous(memory_format=torch.channels_last)).float())
+            out["z"].append(torch.cat(zs).numpy()); out["p"].append(e["agent_pos"] / 512.0)
+            out["a"].append(np.r_[e["actions"], e["actions"][-1:]] / 512.0); out["ep"].append(np.full(len(e["frames"]), i))
+    np.savez(Path(run) / "latents.npz", **{k: np.concatenate(v).astype(np.float32 if k != "ep" else np.int32) for k, v in out.items()})
+
+
+class Windows:
+    def __init__(s, run, val_eps=40):
+        d = np.load(Path(run) / "latents.npz")
+        s.z, s.p, s.a, s.ep = (torch.from_numpy(d[k]) for k in ("z", "p", "a", "ep"))
+        eps = s.ep.numpy()
+        n_ep = eps.max() + 1
+        rng = np.random.default_rng(0)
+        s.val_ids = set(rng.choice(n_ep, val_eps, replace=False).tolist())
+        start = np.r_[0, np.flatnonzero(np.diff(eps)) + 1]; end = np.r_[start[1:], len(eps)]
+        s.spans = [(b, e) for b, e in zip(start, end)]
+        s.train_eps = [i for i in range(n_ep) if i not in s.val_ids]
+        s.val = sorted(s.val_ids)
+        # block-moving share: windows where z changes much
+        dz = (s.z[1:] - s.z[:-1]).pow(2).sum(1)
+        s.dz_sd = (s.z[1:] - s.z[:-1]).std(0)
+        s.z_mu, s.z_sd = s.z.mean(0), s.z.std(0)
+
+    def sample(s, B, H, eps):
+        """Windows of K+H frames: indices (B, K+H) into the flat arrays; with a random history length 1..K
+        (padded slots repeat the first valid)."""
+        ids = np.random.choice(eps, B)
+        rows = []
+        n_valid = np.random.randint(1, K + 1, B)
+        n_valid[np.random.rand(B) < 0.5] = K
+        for i, nv in zip(ids, n_valid):
+            b, e = s.spans[i]
+            t0 = np.random.randint(b, e - H - nv + 1 + 0)  # first valid frame
+            idx = np.r_[np.full(K - nv, t0), np.arange(t0, t0 + nv + H)]
+            rows.append(idx)
+        return torch.from_numpy(np.stack(rows)), torch.from_numpy(n_valid)
+
+
+def unroll(model, W, idx, nv, H, ctx_noise=0.0):
+    """Open loop from the true context: returns predictions (B, H, D) and targets."""
+    z = W.z[idx[:, :K]].clone()
+    if ctx_noise:
+        z = z + ctx_noise * W.z_sd * torch.randn_like(z) * torch.rand(z.shape[0], 1, 1)
+    preds = []
+    for h in range(H):
+        sl = idx[:, h:h + K]
+        nvh = torch.clamp(nv + h, max=K)
+        zn = model(z, W.p[sl], W.a[sl], nvh)
+        preds.append(zn)
+        z = torch.cat([z[:, 1:], zn[:, None]], 1)
+        # padded slots: keep repeating the first valid latent (already the case since earlier slots hold it)
+    return torch.stack(preds, 1), W.z[idx[:, K:K + H]]
+
+
+def train(run, minutes, H):
+    W = Windows(run)
+    D = W.z.shape[1]
+    torch.manual_seed(0); np.random.seed(0)
+    model = Dyn(D)
+    model.z_mu.copy_(W.z_mu); model.z_sd.copy_(W.z_sd); model.dz_sd.copy_(W.dz_sd)
+    print("dyn params %.2fM" % (sum(p.numel() for p in model.parameters()) / 1e6), flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    start, step, B = time.time(), 0, 128
+    log = open(Path(run) / f"dyn_h{H}_log.txt", "a")
+    total = minutes * 60
+    while time.time() - start < total:
+        frac = (time.time() - start) / total
+        lr = 1e-3 * min(1, (step + 1) / 200) * (0.5 * (1 + math.cos(math.pi * frac)) * 0.95 + 0.05)
+        for g in opt.param_groups: g["lr"] = lr
+        hh = H if H <= 2 else int(np.random.choice([2, H // 2, H]))
+        idx, nv = W.sample(B, hh, W.train_eps)
+        pred, tgt = unroll(model, W, idx, nv, hh, ctx_noise=0.05)
+        loss = (((pred - tgt) / W.z_sd) ** 2).mean()
+        opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); step += 1
+        if step % 200 == 0:
+            with torch.no_grad():
+                np.random.seed(step)
+                idx, nv = W.sample(256, 32, W.val)
+                nv[:] = K
+                pred, tgt = unroll(model, W, idx, nv, 32)
+                e = (((pred - tgt) / W.z_sd) ** 2).mean((0, 2))
+                copy = (((W.z[idx[:, K - 1:K]] - tgt) / W.z_sd) ** 2).mean((0, 2))
+            np.random.seed(None)
+            msg = f"step {step} loss {loss.item():.4f} val@1 {e[0]:.4f} @8 {e[7]:.4f} @32 {e[31]:.4f} (copy @1 {copy[0]:.4f} @32 {copy[31]:.4f}) t {time.time()-start:.0f}"
+            print(msg, flush=True); log.write(msg + "\n"); log.flush()
+    torch.save(dict(model=model.state_dict(), D=D, step=step, H=H), Path(run) / f"dyn_h{H}.pt")
+    print("done", step)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "encode":
+        encode(sys.argv[2])
+    elif sys.argv[1] == "train":
+        train(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
