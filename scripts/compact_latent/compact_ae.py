@@ -5,7 +5,8 @@ latent the dynamics only has to move"). Trains on 320 episodes of data/play_expe
   python scripts/compact_latent/compact_ae.py RUN D MINUTES
   FREEZE_ENC=1 [CYCLE=W] python scripts/compact_latent/compact_ae.py RUN D MINUTES
       the decoder alone, the encoder frozen (the latents stay valid), cosine learning rate; CYCLE=W adds
-      W * |enc(dec(z)) - z|^2 so that re-encoding a rendered frame returns its latent
+      W * |enc(dec(z)) - z|^2 so that re-encoding a rendered frame returns its latent (also without FREEZE_ENC)
+  N_EPS=K: train on K episodes instead of 320; LR=X: the learning rate (1e-3)
 """
 import sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
@@ -74,11 +75,12 @@ def load_frames(n_eps, seed=0):
     return np.concatenate(fr), np.concatenate(ag).astype(np.float32) / 512.0
 
 if __name__ == "__main__":
+    import os
     D = int(sys.argv[2]) if len(sys.argv) > 2 else 24
     OUT = Path(sys.argv[1]); OUT.mkdir(parents=True, exist_ok=True)
     MINUTES = float(sys.argv[3]) if len(sys.argv) > 3 else 40
     torch.manual_seed(0)
-    frames, agent = load_frames(320)
+    frames, agent = load_frames(int(os.environ.get("N_EPS", 320)))
     print("frames", frames.shape, flush=True)
     enc, dec = Enc(D), Dec(D)
     print("params enc %.2fM dec %.2fM" % (sum(p.numel() for p in enc.parameters()) / 1e6, sum(p.numel() for p in dec.parameters()) / 1e6), flush=True)
@@ -93,13 +95,17 @@ if __name__ == "__main__":
     resume = OUT / "ae.pt"
     if resume.exists():
         ck = torch.load(resume); enc.load_state_dict(ck["enc"]); dec.load_state_dict(ck["dec"]); step = ck["step"]
-        if not freeze: opt.load_state_dict(ck["opt"])
+        if not freeze:
+            try:
+                opt.load_state_dict(ck["opt"])
+            except ValueError:  # a checkpoint of a decoder-only run: the encoder's moments start afresh
+                print("optimizer state not reused (a decoder-only checkpoint)")
     log = open(OUT / "ae_log.txt", "a")
     while time.time() - start < MINUTES * 60:
         idx = np.random.randint(0, len(frames), B)
         x = torch.from_numpy(frames[idx]).permute(0, 3, 1, 2).float() / 127.5 - 1
         a = torch.from_numpy(agent[idx])
-        lr = 1e-3 * min(1, (step + 1) / 300)
+        lr = float(os.environ.get("LR", 1e-3)) * min(1, (step + 1) / 300)
         if freeze:  # decoder polish: cosine from 5e-4 to 2e-5 over the run
             frac = (time.time() - start) / (MINUTES * 60)
             lr = 2e-5 + (5e-4 - 2e-5) * 0.5 * (1 + math.cos(math.pi * min(frac, 1)))
