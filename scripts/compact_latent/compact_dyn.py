@@ -9,8 +9,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from compact_ae import Enc, Dec
 from iws_gym.data.episodes import read_episode, list_episodes
+from iws_gym.models.dynamics import agent_landing
 
 K = 4
+# the agent's motion law, fit_agent_motion on data/play_expert as `iws train stage2 --agent-track` logs it
 LAW = (0.697776, -0.107374, 0.295672, 0.113927, 0.704328, 0.295672)
 
 
@@ -22,11 +24,8 @@ def load_ae(run):
 
 
 def landing(p, a, n_valid):
-    """p, a (B, K, 2) in [0,1] units; law in canvas units is linear so scale-free."""
-    c0, c1, c2, c3, d0, d1 = LAW
-    two = c0 * p[:, -1] + c1 * p[:, -2] + c2 * a[:, -1] + c3 * a[:, -2]
-    one = d0 * p[:, -1] + d1 * a[:, -1]
-    return torch.where((n_valid >= 2)[:, None], two, one)
+    """The agent's next position by gym-pusht's motion law (linear, so the same in [0, 1] units as in px)."""
+    return agent_landing(p, a, n_valid, LAW)
 
 
 class Dyn(nn.Module):
@@ -86,8 +85,6 @@ class Windows:
         s.spans = [(b, e) for b, e in zip(start, end)]
         s.train_eps = [i for i in range(n_ep) if i not in s.val_ids]
         s.val = sorted(s.val_ids)
-        # block-moving share: windows where z changes much
-        dz = (s.z[1:] - s.z[:-1]).pow(2).sum(1)
         s.dz_sd = (s.z[1:] - s.z[:-1]).std(0)
         s.z_mu, s.z_sd = s.z.mean(0), s.z.std(0)
 
@@ -100,7 +97,7 @@ class Windows:
         n_valid[np.random.rand(B) < 0.5] = K
         for i, nv in zip(ids, n_valid):
             b, e = s.spans[i]
-            t0 = np.random.randint(b, e - H - nv + 1 + 0)  # first valid frame
+            t0 = np.random.randint(b, e - H - nv + 1)  # first valid frame
             idx = np.r_[np.full(K - nv, t0), np.arange(t0, t0 + nv + H)]
             rows.append(idx)
         return torch.from_numpy(np.stack(rows)), torch.from_numpy(n_valid)
