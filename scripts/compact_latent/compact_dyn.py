@@ -3,7 +3,7 @@ trained on unrolled open-loop windows. Usage:
   python scripts/compact_latent/compact_dyn.py encode RUN          # encode data/play_expert -> RUN/latents.npz
   python scripts/compact_latent/compact_dyn.py train RUN MINUTES H # train the dynamics with H-step unrolls
 """
-import sys, time, math, json, random
+import os, sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,13 +29,16 @@ def landing(p, a, n_valid):
 
 
 class Dyn(nn.Module):
-    def __init__(s, D, width=512, blocks=6):
+    def __init__(s, D, width=512, blocks=6, gate=False):
         super().__init__()
-        s.D = D
+        s.D, s.gate = D, gate
         s.inp = nn.Linear(K * (D + 4 + 1) + 2, width)
         s.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width)) for _ in range(blocks)])
         s.out = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, D))
         nn.init.zeros_(s.out[1].weight); nn.init.zeros_(s.out[1].bias)
+        if gate:  # a learned switch that can be exactly zero: where nothing acts, z does not change at all
+            s.g = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 1))
+            nn.init.zeros_(s.g[1].weight); nn.init.constant_(s.g[1].bias, 1.0)
         s.register_buffer("z_mu", torch.zeros(D)); s.register_buffer("z_sd", torch.ones(D)); s.register_buffer("dz_sd", torch.ones(D))
 
     def forward(s, z, p, a, n_valid):
@@ -49,14 +52,17 @@ class Dyn(nn.Module):
         h = s.inp(x)
         for b in s.blocks:
             h = h + b(h)
-        return z[:, -1] + s.out(h) * s.dz_sd
+        dz = s.out(h) * s.dz_sd
+        if s.gate:
+            s.open = F.relu(s.g(h)).squeeze(1)  # kept for the training loss on still windows
+            dz = dz * s.open[:, None]
+        return z[:, -1] + dz
 
 
 def encode(run):
     enc, dec, D = load_ae(run)
     out = dict(z=[], p=[], a=[], ep=[])
     paths = list_episodes(Path("data/play_expert"))
-    import os
     if os.environ.get("MAX_EPS"):
         paths = paths[:: len(paths) // int(os.environ["MAX_EPS"])]
     from tqdm import tqdm
@@ -103,41 +109,85 @@ class Windows:
         return torch.from_numpy(np.stack(rows)), torch.from_numpy(n_valid)
 
 
-def unroll(model, W, idx, nv, H, ctx_noise=0.0):
-    """Open loop from the true context: returns predictions (B, H, D) and targets."""
+def still_windows(W, idx, frac):
+    """Replace a share `frac` of the windows by a world at rest: one frame repeated, the agent commanded to stay
+    where it is. This is what a recording of an idle robot looks like (in gym-pusht nothing moves then); play data
+    has almost none of it (3% of steps with the agent slower than 0.5 px)."""
+    still = torch.rand(idx.shape[0]) < frac
+    idx = idx.clone()
+    idx[still] = idx[still, -1:]
+    return idx, still
+
+
+def unroll(model, W, idx, nv, H, ctx_noise=0.0, still=None):
+    """Open loop from the true context: returns predictions (B, H, D) and targets. Rows flagged `still` command
+    the agent to hold its position (action = its position)."""
     z = W.z[idx[:, :K]].clone()
     if ctx_noise:
         z = z + ctx_noise * W.z_sd * torch.randn_like(z) * torch.rand(z.shape[0], 1, 1)
-    preds = []
+    preds, opens = [], []
     for h in range(H):
         sl = idx[:, h:h + K]
         nvh = torch.clamp(nv + h, max=K)
-        zn = model(z, W.p[sl], W.a[sl], nvh)
+        a = W.a[sl]
+        if still is not None:
+            a = torch.where(still[:, None, None], W.p[sl], a)
+        zn = model(z, W.p[sl], a, nvh)
         preds.append(zn)
+        if getattr(model, "gate", False):
+            opens.append(model.open)
         z = torch.cat([z[:, 1:], zn[:, None]], 1)
         # padded slots: keep repeating the first valid latent (already the case since earlier slots hold it)
+    model.opens = torch.stack(opens, 1) if opens else None  # (B, H) the gate at each step
     return torch.stack(preds, 1), W.z[idx[:, K:K + H]]
+
+
+@torch.no_grad()
+def hold_drift(model, W, n, steps):
+    """Median distance (in z's standard deviations) that `steps` steps of a held agent move validation latents:
+    0 in gym-pusht."""
+    rows = torch.from_numpy(np.random.default_rng(1).choice(np.flatnonzero(np.isin(W.ep.numpy(), W.val)), n))
+    z0, p = W.z[rows][:, None].repeat(1, K, 1), W.p[rows][:, None].repeat(1, K, 1)
+    z, nv = z0.clone(), torch.full((n,), K)
+    for _ in range(steps):
+        z = torch.cat([z[:, 1:], model(z, p, p, nv)[:, None]], 1)
+    return ((z[:, -1] - z0[:, -1]) / W.z_sd).norm(dim=1).median().item()
 
 
 def train(run, minutes, H):
     W = Windows(run)
     D = W.z.shape[1]
     torch.manual_seed(0); np.random.seed(0)
-    model = Dyn(D)
+    model = Dyn(D, gate=bool(int(os.environ.get("GATE", 0))))
     model.z_mu.copy_(W.z_mu); model.z_sd.copy_(W.z_sd); model.dz_sd.copy_(W.dz_sd)
+    still_frac = float(os.environ.get("STILL", 0))  # share of windows of a world at rest (still_windows)
+    still_l1 = float(os.environ.get("STILL_L1", 0))
+    tag = os.environ.get("TAG", "")
+    if os.environ.get("INIT"):  # fine-tune from a dynamics checkpoint (a gate, if new, starts open)
+        model.load_state_dict(torch.load(os.environ["INIT"])["model"], strict=False)
+    lr0 = float(os.environ.get("LR", 1e-3))
+    ctx_noise = float(os.environ.get("CTXN", 0.05))  # the context's noise: up to this many z standard deviations
     print("dyn params %.2fM" % (sum(p.numel() for p in model.parameters()) / 1e6), flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
     start, step, B = time.time(), 0, 128
-    log = open(Path(run) / f"dyn_h{H}_log.txt", "a")
+    log = open(Path(run) / f"dyn_h{H}{tag}_log.txt", "a")
     total = minutes * 60
     while time.time() - start < total:
         frac = (time.time() - start) / total
-        lr = 1e-3 * min(1, (step + 1) / 200) * (0.5 * (1 + math.cos(math.pi * frac)) * 0.95 + 0.05)
+        lr = lr0 * min(1, (step + 1) / 200) * (0.5 * (1 + math.cos(math.pi * frac)) * 0.95 + 0.05)
         for g in opt.param_groups: g["lr"] = lr
         hh = H if H <= 2 else int(np.random.choice([2, H // 2, H]))
         idx, nv = W.sample(B, hh, W.train_eps)
-        pred, tgt = unroll(model, W, idx, nv, hh, ctx_noise=0.05)
+        still = None
+        if still_frac:
+            idx, still = still_windows(W, idx, still_frac)
+        pred, tgt = unroll(model, W, idx, nv, hh, ctx_noise=ctx_noise, still=still)
         loss = (((pred - tgt) / W.z_sd) ** 2).mean()
+        if still is not None and still.any() and still_l1:  # at rest z must not move at all, not just a little:
+            if model.gate and os.environ.get("GATE_L1_ON") == "gate":  # an L1 pull on the gate alone: it closes exactly
+                loss = loss + still_l1 * model.opens[still].mean()
+            else:  # an L1 pull on the change (its gradient does not vanish near zero, so a gate can close exactly)
+                loss = loss + still_l1 * ((pred[still] - W.z[idx[still, -1:]]) / W.dz_sd).abs().mean()
         opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); step += 1
         if step % 200 == 0:
             with torch.no_grad():
@@ -148,9 +198,10 @@ def train(run, minutes, H):
                 e = (((pred - tgt) / W.z_sd) ** 2).mean((0, 2))
                 copy = (((W.z[idx[:, K - 1:K]] - tgt) / W.z_sd) ** 2).mean((0, 2))
             np.random.seed(None)
-            msg = f"step {step} loss {loss.item():.4f} val@1 {e[0]:.4f} @8 {e[7]:.4f} @32 {e[31]:.4f} (copy @1 {copy[0]:.4f} @32 {copy[31]:.4f}) t {time.time()-start:.0f}"
+            hold = hold_drift(model, W, 64, 100)
+            msg = f"step {step} loss {loss.item():.4f} val@1 {e[0]:.4f} @8 {e[7]:.4f} @32 {e[31]:.4f} (copy @1 {copy[0]:.4f} @32 {copy[31]:.4f}) hold100 {hold:.3f} t {time.time()-start:.0f}"
             print(msg, flush=True); log.write(msg + "\n"); log.flush()
-    torch.save(dict(model=model.state_dict(), D=D, step=step, H=H), Path(run) / f"dyn_h{H}.pt")
+    torch.save(dict(model=model.state_dict(), D=D, step=step, H=H, still=still_frac, gate=model.gate), Path(run) / f"dyn_h{H}{tag}.pt")
     print("done", step)
 
 

@@ -1,7 +1,11 @@
 """Evaluate the compact-latent ablation with the repository's own harnesses (fidelity, stability), by handing
 them a world model with the WorldModel interface they use.
   python scripts/compact_latent/compact_eval.py fidelity RUN DYN.pt OUT.json [episodes] [horizon] [behaviour] [reencode 0/1]
-  python scripts/compact_latent/compact_eval.py stability RUN DYN.pt OUT.json [steps] [reencode 0/1]"""
+  python scripts/compact_latent/compact_eval.py stability RUN DYN.pt OUT.json [steps] [reencode 0/1]
+  python scripts/compact_latent/compact_eval.py correlate RUN DYN.pt OUT.json GT_REPORT.json [reencode 0/1]
+      `iws eval correlate` with this model as the learned env: the same suite, added policies, starts, seeds
+      and horizon as GT_REPORT (a report of that command); its gym-pusht side is read from GT_REPORT instead of
+      being run again (the same starts and seeds give the same ground truth)."""
 import sys, json
 from pathlib import Path
 import numpy as np, torch
@@ -10,13 +14,37 @@ from compact_dyn import Dyn, load_ae, landing, K
 from iws_gym.envs.registry import load_task
 
 
+def pad_first(x, n_valid):
+    """Slots before the first valid one (the last n_valid of K are valid) repeat it, as in training."""
+    K = x.shape[1]
+    first = (K - n_valid).clamp(min=0)
+    slot = torch.arange(K)[None].expand(len(x), K)
+    src = torch.maximum(slot, first[:, None])
+    return torch.gather(x, 1, src[..., None].expand_as(x))
+
+
 class CompactWM:
-    def __init__(self, run, dyn, reencode=True):
+    """The compact latent behind WorldModel's interface: a batched state of tensors (what the envs splice on
+    reset), start_frames / advance / step / decode, and the agent track in state["agent"]."""
+    tracks_agent = True
+    device = torch.device("cpu")
+
+    def __init__(self, run, dyn, reencode=True, reencode_every=1):
         self.enc, self.dec, D = load_ae(run)
         ck = torch.load(dyn)
-        self.dyn = Dyn(D); self.dyn.load_state_dict(ck["model"]); self.dyn.eval()
-        self.reencode = reencode
+        self.dyn = Dyn(D, gate=ck.get("gate", False)); self.dyn.load_state_dict(ck["model"]); self.dyn.eval()
+        self.reencode, self.reencode_every = reencode, reencode_every
         self.path, self.dtype = Path(dyn), torch.bfloat16
+
+    def with_settings(self, **changes):
+        import copy
+        wm = copy.copy(self)
+        wm.reencode = changes.get("reencode", self.reencode)
+        wm.reencode_every = changes.get("reencode_every", self.reencode_every)
+        return wm
+
+    def compile(self):
+        return self
 
     @torch.no_grad()
     def _enc(self, frames):
@@ -32,34 +60,40 @@ class CompactWM:
 
     def start_frames(self, frames, agent_pos):
         z = self._enc(frames)
+        B = len(z)
         p = torch.as_tensor(np.asarray(agent_pos, np.float32).reshape(-1, 2) / 512.0)
-        return dict(z=[z], p=[p], a=[], ctx=z[:, None])
-
-    def _slots(self, lst):
-        lst = lst[-K:]
-        return torch.stack([lst[0]] * (K - len(lst)) + lst, 1)
+        return dict(ctx=z[:, None].repeat(1, K, 1), agent_hist=p[:, None].repeat(1, K, 1), acts=torch.zeros(B, K, 2),
+                    n_valid=torch.ones(B, dtype=torch.long), t=torch.zeros(B, dtype=torch.long), agent=p * 512,
+                    trust=torch.ones(B), trust_min=torch.ones(B))
 
     @torch.no_grad()
     def advance(self, state, actions, generator=None):
-        state["a"].append(torch.as_tensor(actions, dtype=torch.float32).reshape(-1, 2) / 512.0)
-        n = min(len(state["z"]), K)
-        nv = torch.full((state["z"][0].shape[0],), n)
-        z, p, a = self._slots(state["z"]), self._slots(state["p"]), self._slots(state["a"][-n:])
-        zn = self.dyn(z, p, a, nv)
-        pn = landing(p, a, nv)
-        state["z"] = (state["z"] + [zn])[-K:]; state["p"] = (state["p"] + [pn])[-K:]; state["a"] = state["a"][-K:]
-        state["ctx"] = zn[:, None]
+        a = torch.as_tensor(actions, dtype=torch.float32).reshape(-1, 2) / 512.0
+        nv = state["n_valid"]
+        acts = pad_first(torch.cat([state["acts"][:, 1:], a[:, None]], 1), nv)
+        zn = self.dyn(state["ctx"], state["agent_hist"], acts, nv)
+        pn = landing(state["agent_hist"], acts, nv).clamp(0, 1)
+        nv2 = (nv + 1).clamp(max=K)
+        state["acts"] = acts
+        state["ctx"] = pad_first(torch.cat([state["ctx"][:, 1:], zn[:, None]], 1), nv2)
+        state["agent_hist"] = pad_first(torch.cat([state["agent_hist"][:, 1:], pn[:, None]], 1), nv2)
+        state["n_valid"], state["t"], state["agent"] = nv2, state["t"] + 1, pn * 512
         self._last_p = pn
         return zn
 
     def step(self, state, actions, generator=None):
         zn = self.advance(state, actions)
-        frame = self._dec(zn, self._last_p)
+        frame = self._dec(zn, state["agent_hist"][:, -1])
         if self.reencode:
-            state["z"][-1] = self._enc(frame)
+            due = state["t"] % self.reencode_every == 0
+            if self.dyn.gate:  # where the dynamics changed nothing (its gate closed), the latent is kept as it is:
+                due &= self.dyn.open > 0  # the round trip would move a world at rest
+            if bool(due.any()):
+                state["ctx"][:, -1] = torch.where(due[:, None], self._enc(frame), state["ctx"][:, -1])
         return frame
 
     def decode(self, z, generator=None):
+        """The frame of latents z, with the agent where the last advance() put it."""
         return self._dec(z, self._last_p)
 
     def rollout(self, first, actions, agent_pos):
@@ -85,6 +119,28 @@ if __name__ == "__main__":
         W.load_predictor = lambda ck, settings: ("open_loop_rollout", roll)
         rep = Fm.fidelity(task, "compact", horizon=hor, episodes=eps, behaviour=beh, split="validation",
                           grid=Path(out).with_suffix(".png"))
+    elif mode == "correlate":
+        gt = json.loads(Path(sys.argv[5]).read_text())
+        re = bool(int(sys.argv[6])) if len(sys.argv) > 6 else True
+        wm = CompactWM(run, dyn, re)
+        import iws_gym.models.world_model as W
+        from iws_gym.evaluation import policy_eval as P
+        W.WorldModel.from_pretrained = classmethod(
+            lambda cls, *a, settings=None, **k: wm.with_settings(reencode=settings.reencode, reencode_every=settings.reencode_every))
+
+        def stored_gt(task_name, name, states, horizon, seed, spec=None, threads=None):
+            p = gt["per_policy"][name]
+            return (np.array(p["scores_ground_truth"]), p["seconds_per_episode_ground_truth"],
+                    np.array(p["scores_ground_truth_pixels"]), None)
+        P._suite_run_ground_truth = stored_gt
+        rep = P.correlate(task, episodes=gt["episodes"], horizon=gt["horizon"], seed=gt["seed"], device="cpu",
+                          workers=1, reencode=re, reencode_every=1, extra=gt["added_policies"],
+                          plot=Path(out).with_suffix(".png"))
+        rep["ground_truth_from"] = sys.argv[5]
+        s = rep["overall"]
+        print(json.dumps({k: s[k] for k in ("pearson_r", "spearman_rho", "mean_abs_gap", "mmrv", "mean_bias")}, indent=1))
+        print({n: (round(p["ground_truth"]["mean_max_coverage"], 3), round(p["learned"]["mean_max_coverage"], 3))
+               for n, p in rep["per_policy"].items()})
     else:
         steps = int(sys.argv[5]); re = bool(int(sys.argv[6])) if len(sys.argv) > 6 else True
         wm = CompactWM(run, dyn, re)
