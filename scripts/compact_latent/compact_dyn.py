@@ -2,6 +2,9 @@
 trained on unrolled open-loop windows. Usage:
   python scripts/compact_latent/compact_dyn.py encode RUN          # encode data/play_expert -> RUN/latents.npz
   python scripts/compact_latent/compact_dyn.py train RUN MINUTES H # train the dynamics with H-step unrolls
+Options by environment: GATE=1 a learned gate on the change that can be exactly zero; STILL=F a share F of
+windows of a world at rest (still_windows), with STILL_L1=W (0.1) the gate's L1 on them; INIT=DYN.pt fine-tune
+from a checkpoint; LR (1e-3); CTXN (0.05) the context noise; TAG a suffix of the output name (dyn_hH{TAG}.pt).
 """
 import os, sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
@@ -161,10 +164,11 @@ def train(run, minutes, H):
     model = Dyn(D, gate=bool(int(os.environ.get("GATE", 0))))
     model.z_mu.copy_(W.z_mu); model.z_sd.copy_(W.z_sd); model.dz_sd.copy_(W.dz_sd)
     still_frac = float(os.environ.get("STILL", 0))  # share of windows of a world at rest (still_windows)
-    still_l1 = float(os.environ.get("STILL_L1", 0))
+    still_l1 = float(os.environ.get("STILL_L1", 0.1))  # weight of the gate's L1 on still windows
     tag = os.environ.get("TAG", "")
     if os.environ.get("INIT"):  # fine-tune from a dynamics checkpoint (a gate, if new, starts open)
         model.load_state_dict(torch.load(os.environ["INIT"])["model"], strict=False)
+        model.z_mu.copy_(W.z_mu); model.z_sd.copy_(W.z_sd); model.dz_sd.copy_(W.dz_sd)  # this run's latents' statistics
     lr0 = float(os.environ.get("LR", 1e-3))
     ctx_noise = float(os.environ.get("CTXN", 0.05))  # the context's noise: up to this many z standard deviations
     print("dyn params %.2fM" % (sum(p.numel() for p in model.parameters()) / 1e6), flush=True)
@@ -183,11 +187,8 @@ def train(run, minutes, H):
             idx, still = still_windows(W, idx, still_frac)
         pred, tgt = unroll(model, W, idx, nv, hh, ctx_noise=ctx_noise, still=still)
         loss = (((pred - tgt) / W.z_sd) ** 2).mean()
-        if still is not None and still.any() and still_l1:  # at rest z must not move at all, not just a little:
-            if model.gate and os.environ.get("GATE_L1_ON") == "gate":  # an L1 pull on the gate alone: it closes exactly
-                loss = loss + still_l1 * model.opens[still].mean()
-            else:  # an L1 pull on the change (its gradient does not vanish near zero, so a gate can close exactly)
-                loss = loss + still_l1 * ((pred[still] - W.z[idx[still, -1:]]) / W.dz_sd).abs().mean()
+        if still is not None and still.any() and model.gate:  # at rest, z must not move at all, not just a little:
+            loss = loss + still_l1 * model.opens[still].mean()  # an L1 pull on the gate, which can close exactly
         opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); step += 1
         if step % 200 == 0:
             with torch.no_grad():

@@ -1,11 +1,16 @@
 """Evaluate the compact-latent ablation with the repository's own harnesses (fidelity, stability), by handing
 them a world model with the WorldModel interface they use.
-  python scripts/compact_latent/compact_eval.py fidelity RUN DYN.pt OUT.json [episodes] [horizon] [behaviour] [reencode 0/1]
-  python scripts/compact_latent/compact_eval.py stability RUN DYN.pt OUT.json [steps] [reencode 0/1]
-  python scripts/compact_latent/compact_eval.py correlate RUN DYN.pt OUT.json GT_REPORT.json [reencode 0/1]
+  python scripts/compact_latent/compact_eval.py fidelity RUN DYN.pt OUT.json [episodes] [horizon] [behaviour] [reencode 0/1/open]
+  python scripts/compact_latent/compact_eval.py stability RUN DYN.pt OUT.json [steps] [reencode 0/1/open]
+  python scripts/compact_latent/compact_eval.py recon RUN - OUT.json [episodes] [frames]
+      stage 1 alone: the T's pose error of decode(encode(frame)) over the first frames of held-out expert
+      episodes (split validation), where the T lies at the start poses the data has least of
+  python scripts/compact_latent/compact_eval.py correlate RUN DYN.pt OUT.json GT_REPORT.json [reencode 0/1/open]
       `iws eval correlate` with this model as the learned env: the same suite, added policies, starts, seeds
       and horizon as GT_REPORT (a report of that command); its gym-pusht side is read from GT_REPORT instead of
-      being run again (the same starts and seeds give the same ground truth)."""
+      being run again (the same starts and seeds give the same ground truth).
+reencode: 0 never, 1 every step, open every step where the dynamics' gate is open (a gated model's world at
+rest keeps its latent: the round trip would move it)."""
 import sys, json
 from pathlib import Path
 import numpy as np, torch
@@ -29,12 +34,13 @@ class CompactWM:
     tracks_agent = True
     device = torch.device("cpu")
 
-    def __init__(self, run, dyn, reencode=True, reencode_every=1):
+    def __init__(self, run, dyn, reencode=True, reencode_every=1, only_open=False):
         self.enc, self.dec, D = load_ae(run)
-        ck = torch.load(dyn)
-        self.dyn = Dyn(D, gate=ck.get("gate", False)); self.dyn.load_state_dict(ck["model"]); self.dyn.eval()
-        self.reencode, self.reencode_every = reencode, reencode_every
-        self.path, self.dtype = Path(dyn), torch.bfloat16
+        if dyn is not None:  # None: stage 1 alone
+            ck = torch.load(dyn)
+            self.dyn = Dyn(D, gate=ck.get("gate", False)); self.dyn.load_state_dict(ck["model"]); self.dyn.eval()
+        self.reencode, self.reencode_every, self.only_open = reencode, reencode_every, only_open
+        self.path, self.dtype = Path(dyn or run), torch.bfloat16
 
     def with_settings(self, **changes):
         import copy
@@ -86,8 +92,8 @@ class CompactWM:
         frame = self._dec(zn, state["agent_hist"][:, -1])
         if self.reencode:
             due = state["t"] % self.reencode_every == 0
-            if self.dyn.gate:  # where the dynamics changed nothing (its gate closed), the latent is kept as it is:
-                due &= self.dyn.open > 0  # the round trip would move a world at rest
+            if self.only_open:  # where the dynamics changed nothing (its gate closed), the latent is kept as it is
+                due &= self.dyn.open > 0
             if bool(due.any()):
                 state["ctx"][:, -1] = torch.where(due[:, None], self._enc(frame), state["ctx"][:, -1])
         return frame
@@ -104,13 +110,19 @@ class CompactWM:
         return np.stack(out)
 
 
+def reencode_arg(v):
+    if v not in ("0", "1", "open"):
+        raise SystemExit(f"reencode must be 0, 1 or open, got {v!r}")
+    return v != "0", v == "open"
+
+
 if __name__ == "__main__":
     mode, run, dyn, out = sys.argv[1:5]
     task = load_task("tpushing")
     if mode == "fidelity":
         eps, hor, beh = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-        re = bool(int(sys.argv[8])) if len(sys.argv) > 8 else True
-        wm = CompactWM(run, dyn, re)
+        re, only_open = reencode_arg(sys.argv[8] if len(sys.argv) > 8 else "1")
+        wm = CompactWM(run, dyn, re, only_open=only_open)
         import iws_gym.models.world_model as W
         from iws_gym.evaluation import fidelity as Fm
 
@@ -119,10 +131,27 @@ if __name__ == "__main__":
         W.load_predictor = lambda ck, settings: ("open_loop_rollout", roll)
         rep = Fm.fidelity(task, "compact", horizon=hor, episodes=eps, behaviour=beh, split="validation",
                           grid=Path(out).with_suffix(".png"))
+    elif mode == "recon":
+        from iws_gym.data.collect import heldout_episodes
+        from iws_gym.evaluation.fidelity import frame_metrics
+        n_eps, n_fr = (int(sys.argv[5]) if len(sys.argv) > 5 else 32), (int(sys.argv[6]) if len(sys.argv) > 6 else 10)
+        wm = CompactWM(run, None)
+        px, rad, real = [], [], []
+        for ep in heldout_episodes(task, n_eps, n_fr, "validation", behaviour="expert"):
+            sub = {k: (v[:n_fr] if isinstance(v, np.ndarray) else v) for k, v in ep.items()}
+            y = wm._dec(wm._enc(sub["frames"]), torch.from_numpy(sub["agent_pos"].astype(np.float32) / 512))
+            m, m0 = frame_metrics(y, sub), frame_metrics(sub["frames"], sub)
+            px.append(m["block_px"]); rad.append(m["block_rad"]); real.append(m0["block_px"])
+        px, rad, real = (np.concatenate(v) for v in (px, rad, real))
+        q = lambda v: dict(median=float(np.nanmedian(v)), mean=float(np.nanmean(v)), p90=float(np.nanquantile(v, 0.9)))
+        rep = dict(run=run, ae_step=int(torch.load(Path(run) / "ae.pt")["step"]), episodes=n_eps, frames_per_episode=n_fr,
+                   split="validation", behaviour="expert", block_px=q(px), block_rad=q(rad),
+                   real_frames_block_px=q(real), note="the pose reader's own error on the real frames is real_frames_block_px")
+        print(json.dumps(rep, indent=1))
     elif mode == "correlate":
         gt = json.loads(Path(sys.argv[5]).read_text())
-        re = bool(int(sys.argv[6])) if len(sys.argv) > 6 else True
-        wm = CompactWM(run, dyn, re)
+        re, only_open = reencode_arg(sys.argv[6] if len(sys.argv) > 6 else "1")
+        wm = CompactWM(run, dyn, re, only_open=only_open)
         import iws_gym.models.world_model as W
         from iws_gym.evaluation import policy_eval as P
         W.WorldModel.from_pretrained = classmethod(
@@ -142,8 +171,9 @@ if __name__ == "__main__":
         print({n: (round(p["ground_truth"]["mean_max_coverage"], 3), round(p["learned"]["mean_max_coverage"], 3))
                for n, p in rep["per_policy"].items()})
     else:
-        steps = int(sys.argv[5]); re = bool(int(sys.argv[6])) if len(sys.argv) > 6 else True
-        wm = CompactWM(run, dyn, re)
+        steps = int(sys.argv[5])
+        re, only_open = reencode_arg(sys.argv[6] if len(sys.argv) > 6 else "1")
+        wm = CompactWM(run, dyn, re, only_open=only_open)
         import iws_gym.models.world_model as W
         from iws_gym.evaluation import stability as S
         W.WorldModel.from_pretrained = classmethod(lambda cls, *a, **k: wm)
