@@ -137,7 +137,7 @@ def unroll(model, W, idx, nv, H, ctx_noise=0.0, still=None):
             a = torch.where(still[:, None, None], W.p[sl], a)
         zn = model(z, W.p[sl], a, nvh)
         preds.append(zn)
-        if getattr(model, "gate", False):
+        if model.gate:
             opens.append(model.open)
         z = torch.cat([z[:, 1:], zn[:, None]], 1)
         # padded slots: keep repeating the first valid latent (already the case since earlier slots hold it)

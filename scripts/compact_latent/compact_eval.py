@@ -180,6 +180,6 @@ if __name__ == "__main__":
         rep = S.stability(task, "compact", steps=steps, reencode=re, kinds=("random", "scripted", "hold"), strip=Path(out).with_suffix(".png"))
     rep["ablation"] = dict(run=run, dyn=dyn, argv=sys.argv)
     Path(out).write_text(json.dumps(rep, indent=1, default=float))
-    s = rep.get("summary", {}).get("model") or rep.get("rollouts")
-    print(json.dumps({k: v for k, v in (s.items() if isinstance(s, dict) else [])
-                      if not isinstance(v, list)}, indent=1, default=float)[:3000])
+    if mode in ("fidelity", "stability"):  # the other modes printed their summary above
+        s = rep["summary"]["model"] if mode == "fidelity" else rep["rollouts"]
+        print(json.dumps({k: v for k, v in s.items() if not isinstance(v, list)}, indent=1, default=float)[:3000])
