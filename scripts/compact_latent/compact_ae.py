@@ -6,7 +6,10 @@ latent the dynamics only has to move"). Trains on 320 episodes of data/play_expe
   FREEZE_ENC=1 [CYCLE=W] python scripts/compact_latent/compact_ae.py RUN D MINUTES
       the decoder alone, the encoder frozen (the latents stay valid), cosine learning rate; CYCLE=W adds
       W * |enc(dec(z)) - z|^2 so that re-encoding a rendered frame returns its latent (also without FREEZE_ENC)
-  N_EPS=K: train on K episodes instead of 320; LR=X: the learning rate (1e-3)
+  PARTS=P: the decoder draws in P learned part frames (part_maps); NEW_DEC=1 (with FREEZE_ENC=1): a new decoder
+  on RUN/ae.pt's encoder
+  N_EPS=K: train on K episodes instead of 320; LR=X: the learning rate (1e-3); EXTRA=DIR,DIR: all episodes of
+  these collections as well
 """
 import sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
@@ -50,27 +53,55 @@ def coord_maps(B, n, agent, device):
     blob = torch.exp(-(dx ** 2 + dy ** 2) / (2 * 0.03 ** 2))
     return torch.cat([base, torch.stack([dx * 4, dy * 4, blob], 1)], 1)
 
+def part_maps(frames, n):
+    """(B, P*18, n, n): the grid's coordinates in each of P learned part frames (B, P, 4: centre x, y, cos, sin),
+    u = R^T (xy - t), scaled, with Fourier features. A shape drawn as a function of u moves and turns with its
+    frame: a rigid object at any pose is the same drawing in its own coordinates."""
+    t = (torch.arange(n, device=frames.device) + 0.5) / n
+    y, x = torch.meshgrid(t, t, indexing="ij")
+    dx, dy = x[None, None] - frames[..., 0, None, None], y[None, None] - frames[..., 1, None, None]
+    c, s = frames[..., 2, None, None], frames[..., 3, None, None]
+    u, v = (c * dx + s * dy) * 4, (-s * dx + c * dy) * 4  # part coordinates, about [-2, 2] over the frame
+    feats = [u, v] + [f(math.pi * k * w / 2) for k in (1, 2, 4, 8) for w in (u, v) for f in (torch.sin, torch.cos)]
+    return torch.stack(feats, 2).flatten(1, 2)
+
+
 class Dec(nn.Module):
-    def __init__(s, D, c=96):
+    def __init__(s, D, c=96, parts=0):
         super().__init__()
+        s.parts = parts
         s.emb = nn.Sequential(nn.Linear(D + 2, 256), nn.SiLU(), nn.Linear(256, 256), nn.SiLU())
-        s.inp = nn.Conv2d(2 + 16 + 3, c, 1)
+        s.inp = nn.Conv2d(2 + 16 + 3 + 18 * parts, c, 1)
+        if parts:  # PARTS=P: P learned part frames (a pose-equivariant decoder; nothing in it names the object)
+            s.frame = nn.Linear(256, 4 * parts)
         s.zin = nn.Linear(256, c)
         s.blocks = nn.ModuleList([FiLMConv(c, 256) for _ in range(5)])
         s.up1 = nn.Conv2d(c, 4 * 48, 3, padding=1); s.r1 = Res(48)
         s.up2 = nn.Conv2d(48, 4 * 24, 3, padding=1); s.n2 = gn(24); s.out = nn.Conv2d(24, 3, 3, padding=1)
     def forward(s, z, agent):
         B = z.shape[0]; e = s.emb(torch.cat([z, agent], 1))
-        h = s.inp(coord_maps(B, 32, agent, z.device)) + s.zin(e)[:, :, None, None]
+        maps = coord_maps(B, 32, agent, z.device)
+        if s.parts:
+            f = s.frame(e).float().view(B, s.parts, 4)
+            rot = F.normalize(f[..., 2:] + torch.tensor([1.0, 0.0], device=z.device), dim=-1)
+            frames = torch.cat([0.5 + 0.75 * torch.tanh(f[..., :2]), rot], -1)
+            maps = torch.cat([maps, part_maps(frames, 32)], 1)
+        h = s.inp(maps) + s.zin(e)[:, :, None, None]
         for b in s.blocks: h = b(h, e)
         h = s.r1(F.pixel_shuffle(s.up1(F.silu(h)), 2))
         h = F.pixel_shuffle(s.up2(F.silu(h)), 2)
         return s.out(F.silu(s.n2(h)))
 
+def extra_paths():
+    """EXTRA=DIR,DIR: every episode of these collections too (e.g. `iws collect --mix random`)."""
+    import os
+    return [p for d in os.environ.get("EXTRA", "").split(",") if d for p in list_episodes(Path(d))]
+
+
 def load_frames(n_eps, seed=0):
     paths = list_episodes(Path("data/play_expert")); random.Random(seed).shuffle(paths)
     fr, ag = [], []
-    for p in paths[:n_eps]:
+    for p in paths[:n_eps] + extra_paths():
         e = read_episode(p, ["frames", "agent_pos"]); fr.append(e["frames"]); ag.append(e["agent_pos"])
     return np.concatenate(fr), np.concatenate(ag).astype(np.float32) / 512.0
 
@@ -82,7 +113,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     frames, agent = load_frames(int(os.environ.get("N_EPS", 320)))
     print("frames", frames.shape, flush=True)
-    enc, dec = Enc(D), Dec(D)
+    parts = int(os.environ.get("PARTS", 0))
+    enc, dec = Enc(D), Dec(D, parts=parts)
     print("params enc %.2fM dec %.2fM" % (sum(p.numel() for p in enc.parameters()) / 1e6, sum(p.numel() for p in dec.parameters()) / 1e6), flush=True)
     import os
     freeze = bool(os.environ.get("FREEZE_ENC"))
@@ -94,21 +126,30 @@ if __name__ == "__main__":
     start, step, B = time.time(), 0, 32
     resume = OUT / "ae.pt"
     if resume.exists():
-        ck = torch.load(resume); enc.load_state_dict(ck["enc"]); dec.load_state_dict(ck["dec"]); step = ck["step"]
+        ck = torch.load(resume); enc.load_state_dict(ck["enc"]); step = ck["step"]
+        if os.environ.get("NEW_DEC") and not ck.get("new_dec"):  # a new decoder on a trained, frozen encoder
+            print("decoder starts afresh"); step = 0
+        else:
+            dec.load_state_dict(ck["dec"])
         if not freeze:
             try:
                 opt.load_state_dict(ck["opt"])
             except ValueError:  # a checkpoint of a decoder-only run: the encoder's moments start afresh
                 print("optimizer state not reused (a decoder-only checkpoint)")
     log = open(OUT / "ae_log.txt", "a")
+
+    def save():
+        torch.save(dict(enc=enc.state_dict(), dec=dec.state_dict(), opt=opt.state_dict(), step=step, D=D, parts=parts,
+                        new_dec=bool(os.environ.get("NEW_DEC"))), resume)
+
     while time.time() - start < MINUTES * 60:
         idx = np.random.randint(0, len(frames), B)
         x = torch.from_numpy(frames[idx]).permute(0, 3, 1, 2).float() / 127.5 - 1
         a = torch.from_numpy(agent[idx])
         lr = float(os.environ.get("LR", 1e-3)) * min(1, (step + 1) / 300)
-        if freeze:  # decoder polish: cosine from 5e-4 to 2e-5 over the run
+        if freeze:  # decoder polish: cosine from LR (5e-4) to 2e-5 over the run
             frac = (time.time() - start) / (MINUTES * 60)
-            lr = 2e-5 + (5e-4 - 2e-5) * 0.5 * (1 + math.cos(math.pi * min(frac, 1)))
+            lr = 2e-5 + (float(os.environ.get("LR", 5e-4)) - 2e-5) * 0.5 * (1 + math.cos(math.pi * min(frac, 1)))
         for g in opt.param_groups: g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(not freeze):
             z = enc(x.contiguous(memory_format=torch.channels_last))
@@ -129,6 +170,6 @@ if __name__ == "__main__":
             msg = f"step {step} loss {loss.item():.5f} cyc {cyc.item() if cycle else 0:.5f} psnr {psnr:.2f} t {time.time()-start:.0f}s"
             print(msg, flush=True); log.write(msg + "\n"); log.flush()
         if step % 1000 == 0:
-            torch.save(dict(enc=enc.state_dict(), dec=dec.state_dict(), opt=opt.state_dict(), step=step, D=D), resume)
-    torch.save(dict(enc=enc.state_dict(), dec=dec.state_dict(), opt=opt.state_dict(), step=step, D=D), resume)
+            save()
+    save()
     print("done", step)

@@ -2,15 +2,19 @@
 trained on unrolled open-loop windows. Usage:
   python scripts/compact_latent/compact_dyn.py encode RUN          # encode data/play_expert -> RUN/latents.npz
   python scripts/compact_latent/compact_dyn.py train RUN MINUTES H # train the dynamics with H-step unrolls
-Options by environment: GATE=1 a learned gate on the change that can be exactly zero; STILL=F a share F of
-windows of a world at rest (still_windows), with STILL_L1=W (0.1) the gate's L1 on them; INIT=DYN.pt fine-tune
-from a checkpoint; LR (1e-3); CTXN (0.05) the context noise; TAG a suffix of the output name (dyn_hH{TAG}.pt).
+  python scripts/compact_latent/compact_dyn.py proj RUN MINUTES    # train a latent denoiser (RUN/proj.pt)
+Options by environment:
+  EXTRA=DIR,DIR (encode) more collections, appended after data/play_expert's episodes
+  GATE=1 a learned gate on the change that can be exactly zero; STILL=F a share F of windows of a world at rest
+  (still_windows), with STILL_L1=W (0.1) the gate's L1 on them; INIT=DYN.pt fine-tune from a checkpoint;
+  LR (1e-3); CTXN (0.05) the context noise; TAG a suffix of the output name (dyn_hH{TAG}.pt);
+  EXTRA_SHARE=f EXTRA_FROM=i: a share f of training windows from episodes i and later (the EXTRA ones)
 """
 import os, sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
-from compact_ae import Enc, Dec
+from compact_ae import Enc, Dec, extra_paths
 from iws_gym.data.episodes import read_episode, list_episodes
 from iws_gym.models.dynamics import agent_landing
 
@@ -21,7 +25,7 @@ LAW = (0.697776, -0.107374, 0.295672, 0.113927, 0.704328, 0.295672)
 
 def load_ae(run):
     ck = torch.load(Path(run) / "ae.pt")
-    enc, dec = Enc(ck["D"]), Dec(ck["D"])
+    enc, dec = Enc(ck["D"]), Dec(ck["D"], parts=ck.get("parts", 0))
     enc.load_state_dict(ck["enc"]); dec.load_state_dict(ck["dec"])
     return enc.eval(), dec.eval(), ck["D"]
 
@@ -62,12 +66,69 @@ class Dyn(nn.Module):
         return z[:, -1] + dz
 
 
+class Proj(nn.Module):
+    """A denoiser of single latents (EDM preconditioning, sigma in units of z's standard deviation), given the
+    agent's position: P(z + sigma * eps, sigma) ~ z. Applied to each predicted latent at a small sigma it pulls a
+    rollout that drifted off the set of encodable scenes back onto it, in latent space (no decode/encode)."""
+    def __init__(s, D, width=512, blocks=4):
+        super().__init__()
+        s.inp = nn.Linear(D + 2 + 1, width)
+        s.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width)) for _ in range(blocks)])
+        s.out = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, D))
+        s.register_buffer("z_mu", torch.zeros(D)); s.register_buffer("z_sd", torch.ones(D))
+
+    def forward(s, z, p, sigma):
+        """z (B,D) noisy latents, p (B,2) agent positions in [0,1], sigma (B,) -> denoised z."""
+        zn = (z - s.z_mu) / s.z_sd
+        c_in, c_skip, c_out = (1 + sigma ** 2) ** -0.5, 1 / (1 + sigma ** 2), sigma * (1 + sigma ** 2) ** -0.5
+        h = s.inp(torch.cat([zn * c_in[:, None], p * 4 - 2, sigma.log()[:, None] / 4], 1))
+        for b in s.blocks:
+            h = h + b(h)
+        return (c_skip[:, None] * zn + c_out[:, None] * s.out(h)) * s.z_sd + s.z_mu
+
+
+def train_proj(run, minutes):
+    W = Windows(run)
+    D = W.z.shape[1]
+    torch.manual_seed(0)
+    model = Proj(D); model.z_mu.copy_(W.z_mu); model.z_sd.copy_(W.z_sd)
+    tr = torch.from_numpy(np.flatnonzero(~np.isin(W.ep.numpy(), W.val)))
+    va = torch.from_numpy(np.flatnonzero(np.isin(W.ep.numpy(), W.val)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)
+    start, step, total = time.time(), 0, minutes * 60
+    log = open(Path(run) / "proj_log.txt", "a")
+    while time.time() - start < total:
+        frac = (time.time() - start) / total
+        for g in opt.param_groups: g["lr"] = 1e-3 * min(1, (step + 1) / 200) * (0.5 * (1 + math.cos(math.pi * frac)) * 0.95 + 0.05)
+        rows = tr[torch.randint(len(tr), (512,))]
+        z, p = W.z[rows], W.p[rows]
+        sigma = torch.exp(torch.empty(512).uniform_(math.log(0.005), math.log(2.0)))
+        den = model(z + sigma[:, None] * W.z_sd * torch.randn_like(z), p, sigma)
+        loss = ((((den - z) / W.z_sd) ** 2).mean(1) * (1 + sigma ** 2) / sigma ** 2).mean()
+        opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step(); step += 1
+        if step % 500 == 0:
+            with torch.no_grad():
+                rows = va[torch.from_numpy(np.random.default_rng(0).choice(len(va), 4096))]
+                z, p = W.z[rows], W.p[rows]
+                parts = []
+                for sg in (0.01, 0.05, 0.2):  # error left after denoising, in z standard deviations (input error: sg)
+                    s_ = torch.full((len(z),), sg)
+                    e = model(z + sg * W.z_sd * torch.randn(z.shape, generator=torch.Generator().manual_seed(1)), p, s_)
+                    parts.append(f"@{sg} {(((e - z) / W.z_sd) ** 2).mean().sqrt():.4f}")
+                ident = (((model(z, p, torch.full((len(z),), 0.05)) - z) / W.z_sd) ** 2).mean().sqrt()
+            msg = f"step {step} loss {loss.item():.4f} val rms " + " ".join(parts) + f" clean-in@0.05 {ident:.4f} t {time.time()-start:.0f}"
+            print(msg, flush=True); log.write(msg + "\n"); log.flush()
+    torch.save(dict(model=model.state_dict(), D=D, step=step), Path(run) / "proj.pt")
+    print("done", step)
+
+
 def encode(run):
     enc, dec, D = load_ae(run)
     out = dict(z=[], p=[], a=[], ep=[])
     paths = list_episodes(Path("data/play_expert"))
     if os.environ.get("MAX_EPS"):
         paths = paths[:: len(paths) // int(os.environ["MAX_EPS"])]
+    paths += extra_paths()
     from tqdm import tqdm
     with torch.no_grad():
         for i, path in enumerate(tqdm(paths, desc="encode")):
@@ -101,6 +162,10 @@ class Windows:
         """Windows of K+H frames: indices (B, K+H) into the flat arrays; with a random history length 1..K
         (padded slots repeat the first valid)."""
         ids = np.random.choice(eps, B)
+        if os.environ.get("EXTRA_SHARE"):  # EXTRA_SHARE=f EXTRA_FROM=i: a share f of windows from episodes >= i (encode's EXTRA)
+            extra = [e for e in eps if e >= int(os.environ["EXTRA_FROM"])]
+            pick = np.random.rand(B) < float(os.environ["EXTRA_SHARE"])
+            ids[pick] = np.random.choice(extra, int(pick.sum()))
         rows = []
         n_valid = np.random.randint(1, K + 1, B)
         n_valid[np.random.rand(B) < 0.5] = K
@@ -211,3 +276,5 @@ if __name__ == "__main__":
         encode(sys.argv[2])
     elif sys.argv[1] == "train":
         train(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "proj":
+        train_proj(sys.argv[2], float(sys.argv[3]))

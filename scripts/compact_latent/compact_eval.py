@@ -9,13 +9,24 @@ them a world model with the WorldModel interface they use.
       `iws eval correlate` with this model as the learned env: the same suite, added policies, starts, seeds
       and horizon as GT_REPORT (a report of that command); its gym-pusht side is read from GT_REPORT instead of
       being run again (the same starts and seeds give the same ground truth).
+  python scripts/compact_latent/compact_eval.py whole RUN DYN.pt OUT.json N STEPS [reencode] [split]
+      N drives of each kind (uniform-random targets every step; scripted play) from N held-out starts (split
+      validation unless given, seeds from +500), run in gym-pusht and in the model with the same actions: the
+      share of checks (every 10 steps) where the T is whole (stability's check) and the T's pose error against
+      gym-pusht's, by tenth of the drive. Many drives instead of stability's one per kind.
+  python scripts/compact_latent/compact_eval.py recondrive RUN - OUT.json [N] [STEPS]
+      stage 1 alone on the whole mode's drives (N of each kind, every 10th frame): is decode(encode(frame))
+      a whole T (the real frames all are), and the T's pose error
+STAB_SEED=n: stability's drive seed (0; other seeds for tuning, 0 for the reported figure).
+PROJ=RUN/proj.pt (compact_dyn.py proj) with PROJ_SIGMA=s (0.05): each predicted latent denoised at sigma s.
 reencode: 0 never, 1 every step, open every step where the dynamics' gate is open (a gated model's world at
 rest keeps its latent: the round trip would move it)."""
 import sys, json
 from pathlib import Path
 import numpy as np, torch
 sys.path.insert(0, str(Path(__file__).parent))
-from compact_dyn import Dyn, load_ae, landing, K
+from compact_dyn import Dyn, Proj, load_ae, landing, K
+import os
 from iws_gym.envs.registry import load_task
 
 
@@ -40,6 +51,11 @@ class CompactWM:
             ck = torch.load(dyn)
             self.dyn = Dyn(D, gate=ck.get("gate", False)); self.dyn.load_state_dict(ck["model"]); self.dyn.eval()
         self.reencode, self.reencode_every, self.only_open = reencode, reencode_every, only_open
+        self.proj = None
+        if os.environ.get("PROJ"):  # PROJ=RUN/proj.pt [PROJ_SIGMA=s]: each predicted latent denoised at sigma s
+            ck = torch.load(os.environ["PROJ"])
+            self.proj = Proj(ck["D"]); self.proj.load_state_dict(ck["model"]); self.proj.eval()
+            self.proj_sigma = float(os.environ.get("PROJ_SIGMA", 0.05))
         self.path, self.dtype = Path(dyn or run), torch.bfloat16
 
     def with_settings(self, **changes):
@@ -79,6 +95,10 @@ class CompactWM:
         acts = pad_first(torch.cat([state["acts"][:, 1:], a[:, None]], 1), nv)
         zn = self.dyn(state["ctx"], state["agent_hist"], acts, nv)
         pn = landing(state["agent_hist"], acts, nv).clamp(0, 1)
+        if self.proj is not None:  # only where the dynamics moved z (a closed gate keeps a world at rest exact)
+            moved = self.dyn.open > 0 if self.dyn.gate else torch.ones(len(zn), dtype=torch.bool)
+            zp = self.proj(zn, pn, torch.full((len(zn),), self.proj_sigma))
+            zn = torch.where(moved[:, None], zp, zn)
         nv2 = (nv + 1).clamp(max=K)
         state["acts"] = acts
         state["ctx"] = pad_first(torch.cat([state["ctx"][:, 1:], zn[:, None]], 1), nv2)
@@ -170,6 +190,81 @@ if __name__ == "__main__":
         print(json.dumps({k: s[k] for k in ("pearson_r", "spearman_rho", "mean_abs_gap", "mmrv", "mean_bias")}, indent=1))
         print({n: (round(p["ground_truth"]["mean_max_coverage"], 3), round(p["learned"]["mean_max_coverage"], 3))
                for n, p in rep["per_policy"].items()})
+    elif mode == "recondrive":
+        from iws_gym.data.collect import collect_episode, episode_plan
+        from iws_gym.data.splits import split_offset
+        from iws_gym.evaluation.stability import reference_frames
+        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, calibrate_whole_t, pose_errors
+        n, steps = (int(sys.argv[5]) if len(sys.argv) > 5 else 8), (int(sys.argv[6]) if len(sys.argv) > 6 else 300)
+        residual_max = calibrate_whole_t(reference_frames(task, 8, 200, "stability_calibration"))
+        wm = CompactWM(run, None)
+        seed0 = task.heldout_seed_base + split_offset("validation") + 500
+        rep = dict(run=run, ae_step=int(torch.load(Path(run) / "ae.pt")["step"]), drives=n, steps=steps, seeds_from=seed0, kinds={})
+        for kind in ("random", "scripted"):
+            whole, real, px = [], [], []
+            for i in range(n):
+                e = collect_episode(task, seed0 + i, steps, plan=episode_plan("random", seed0 + i, steps) if kind == "random" else None)
+                f = e["frames"][10::10]
+                y = wm._dec(wm._enc(f), torch.from_numpy(e["agent_pos"][10::10].astype(np.float32) / 512))
+                if i == 0:  # the first drive: real frames above their reconstructions, every 30 steps
+                    from iws_gym.evaluation.fidelity import save_grid
+                    save_grid([f[::3][:10], y[::3][:10]], Path(out).with_name(Path(out).stem + f"_{kind}.png"))
+                for j in range(len(f)):
+                    est, t = estimate(y[j]), 10 + 10 * j
+                    whole.append(is_whole_t(est, 128, residual_max)); real.append(is_whole_t(estimate(f[j]), 128, residual_max))
+                    px.append(pose_errors(est, e["agent_pos"][t], e["block_pose"][t], e["coverage"][t])["block_px"])
+            rep["kinds"][kind] = dict(t_whole_share=float(np.mean(whole)), real_t_whole_share=float(np.mean(real)),
+                                      block_px_median=float(np.nanmedian(px)), block_px_p90=float(np.nanquantile(px, 0.9)))
+        print(json.dumps(rep["kinds"]))
+    elif mode == "whole":
+        from iws_gym.data.collect import collect_episode, episode_plan
+        from iws_gym.data.splits import split_offset
+        from iws_gym.evaluation.stability import reference_frames
+        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, calibrate_whole_t, pose_errors
+        from iws_gym.tasks.pusht.groundtruth import make_env
+        from tqdm import tqdm
+        n, steps = int(sys.argv[5]), int(sys.argv[6])
+        re, only_open = reencode_arg(sys.argv[7] if len(sys.argv) > 7 else "0")
+        split = sys.argv[8] if len(sys.argv) > 8 else "validation"
+        wm = CompactWM(run, dyn, re, only_open=only_open)
+        residual_max = calibrate_whole_t(reference_frames(task, 8, 200, "stability_calibration"))
+        env = make_env(task.frame_size)
+        rep = dict(drives=n, steps=steps, split=split, seeds_from=task.heldout_seed_base + split_offset(split) + 500,
+                   residual_max=residual_max, kinds={})
+        for kind in ("random", "scripted"):
+            eps = []
+            for i in tqdm(range(n), desc=f"gym-pusht ({kind})"):
+                seed = rep["seeds_from"] + i
+                eps.append(collect_episode(task, seed, steps, env, plan=episode_plan("random", seed, steps) if kind == "random" else None))
+            state = wm.start_frames(np.stack([e["frames"][0] for e in eps]), np.stack([e["agent_pos"][0] for e in eps]))
+            checks = list(range(10, steps + 1, 10))
+            whole, px, rad = np.zeros((n, len(checks))), np.full((n, len(checks)), np.nan), np.full((n, len(checks)), np.nan)
+            shown = [np.stack([e["frames"][0] for e in eps[:4]])]
+            for t in tqdm(range(steps), desc=f"model ({kind})"):
+                a = np.stack([e["actions"][t] for e in eps])
+                if re:
+                    frames = wm.step(state, a)
+                else:
+                    zn = wm.advance(state, a)
+                if (t + 1) % 10 == 0:
+                    c = (t + 1) // 10 - 1
+                    if not re:
+                        frames = wm.decode(zn)
+                    for b in range(n):
+                        est = estimate(frames[b])
+                        whole[b, c] = is_whole_t(est, frames.shape[1], residual_max)
+                        e = pose_errors(est, eps[b]["agent_pos"][t + 1], eps[b]["block_pose"][t + 1], eps[b]["coverage"][t + 1])
+                        px[b, c], rad[b, c] = e["block_px"], e["block_rad"]
+                    if (t + 1) % max(10, steps // 8 // 10 * 10) == 0:
+                        shown.append(frames[:4]); shown.append(np.stack([e["frames"][t + 1] for e in eps[:4]]))
+            tenth = lambda v, f: [float(f(v[:, i * len(checks) // 10:(i + 1) * len(checks) // 10])) for i in range(10)]
+            rep["kinds"][kind] = dict(t_whole_share=float(whole.mean()), t_whole_by_tenth=tenth(whole, np.mean),
+                                      block_px_median=float(np.nanmedian(px)), block_px_median_by_tenth=tenth(px, np.nanmedian),
+                                      block_rad_median=float(np.nanmedian(rad)), block_px_at_50=float(np.nanmedian(px[:, 4])),
+                                      drives_whole_throughout=int((whole.min(1) == 1).sum()))
+            from iws_gym.evaluation.fidelity import save_grid
+            save_grid([np.stack([f[j] for f in shown]) for j in range(min(4, n))], Path(out).with_name(Path(out).stem + f"_{kind}.png"))
+            print(kind, json.dumps({k: v for k, v in rep["kinds"][kind].items() if not isinstance(v, list)}), flush=True)
     else:
         steps = int(sys.argv[5])
         re, only_open = reencode_arg(sys.argv[6] if len(sys.argv) > 6 else "1")
@@ -177,7 +272,8 @@ if __name__ == "__main__":
         import iws_gym.models.world_model as W
         from iws_gym.evaluation import stability as S
         W.WorldModel.from_pretrained = classmethod(lambda cls, *a, **k: wm)
-        rep = S.stability(task, "compact", steps=steps, reencode=re, kinds=("random", "scripted", "hold"), strip=Path(out).with_suffix(".png"))
+        rep = S.stability(task, "compact", steps=steps, reencode=re, kinds=("random", "scripted", "hold"),
+                          strip=Path(out).with_suffix(".png"), seed=int(os.environ.get("STAB_SEED", 0)))
     rep["ablation"] = dict(run=run, dyn=dyn, argv=sys.argv)
     Path(out).write_text(json.dumps(rep, indent=1, default=float))
     if mode in ("fidelity", "stability"):  # the other modes printed their summary above
