@@ -11,7 +11,7 @@ latent the dynamics only has to move"). Trains on 320 episodes of data/play_expe
   N_EPS=K: train on K episodes instead of 320; LR=X: the learning rate (1e-3); EXTRA=DIR,DIR: all episodes of
   these collections as well
 """
-import sys, time, math, json, random
+import os, sys, time, math, json, random
 import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 from pathlib import Path
 from iws_gym.data.episodes import read_episode, list_episodes
@@ -94,7 +94,6 @@ class Dec(nn.Module):
 
 def extra_paths():
     """EXTRA=DIR,DIR: every episode of these collections too (e.g. `iws collect --mix random`)."""
-    import os
     return [p for d in os.environ.get("EXTRA", "").split(",") if d for p in list_episodes(Path(d))]
 
 
@@ -106,7 +105,6 @@ def load_frames(n_eps, seed=0):
     return np.concatenate(fr), np.concatenate(ag).astype(np.float32) / 512.0
 
 if __name__ == "__main__":
-    import os
     D = int(sys.argv[2]) if len(sys.argv) > 2 else 24
     OUT = Path(sys.argv[1]); OUT.mkdir(parents=True, exist_ok=True)
     MINUTES = float(sys.argv[3]) if len(sys.argv) > 3 else 40
@@ -116,7 +114,6 @@ if __name__ == "__main__":
     parts = int(os.environ.get("PARTS", 0))
     enc, dec = Enc(D), Dec(D, parts=parts)
     print("params enc %.2fM dec %.2fM" % (sum(p.numel() for p in enc.parameters()) / 1e6, sum(p.numel() for p in dec.parameters()) / 1e6), flush=True)
-    import os
     freeze = bool(os.environ.get("FREEZE_ENC"))
     cycle = float(os.environ.get("CYCLE", 0))
     if freeze:

@@ -21,12 +21,11 @@ STAB_SEED=n: stability's drive seed (0; other seeds for tuning, 0 for the report
 PROJ=RUN/proj.pt (compact_dyn.py proj) with PROJ_SIGMA=s (0.05): each predicted latent denoised at sigma s.
 reencode: 0 never, 1 every step, open every step where the dynamics' gate is open (a gated model's world at
 rest keeps its latent: the round trip would move it)."""
-import sys, json
+import os, sys, json
 from pathlib import Path
 import numpy as np, torch
 sys.path.insert(0, str(Path(__file__).parent))
 from compact_dyn import Dyn, Proj, load_ae, landing, K
-import os
 from iws_gym.envs.registry import load_task
 
 
@@ -130,6 +129,24 @@ class CompactWM:
         return np.stack(out)
 
 
+def drives(task, kind, n, steps, split="validation", env=None):
+    """The `whole` and `recondrive` modes' drives: n episodes of `kind` (uniform-random targets, or scripted play)
+    recorded in gym-pusht from the held-out seeds of `split` + 500 on. Returns (first seed, episodes)."""
+    from iws_gym.data.collect import collect_episode, episode_plan
+    from iws_gym.data.splits import split_offset
+    seed0 = task.heldout_seed_base + split_offset(split) + 500
+    return seed0, [collect_episode(task, seed0 + i, steps, env,
+                                   plan=episode_plan("random", seed0 + i, steps) if kind == "random" else None)
+                   for i in range(n)]
+
+
+def whole_residual(task):
+    """The fit-residual bound of a whole T, calibrated on real frames as `iws eval stability` does."""
+    from iws_gym.evaluation.stability import reference_frames
+    from iws_gym.tasks.pusht.pose import calibrate_whole_t
+    return calibrate_whole_t(reference_frames(task, 8, 200, "stability_calibration"))
+
+
 def reencode_arg(v):
     if v not in ("0", "1", "open"):
         raise SystemExit(f"reencode must be 0, 1 or open, got {v!r}")
@@ -191,51 +208,44 @@ if __name__ == "__main__":
         print({n: (round(p["ground_truth"]["mean_max_coverage"], 3), round(p["learned"]["mean_max_coverage"], 3))
                for n, p in rep["per_policy"].items()})
     elif mode == "recondrive":
-        from iws_gym.data.collect import collect_episode, episode_plan
-        from iws_gym.data.splits import split_offset
-        from iws_gym.evaluation.stability import reference_frames
-        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, calibrate_whole_t, pose_errors
+        from iws_gym.evaluation.fidelity import save_grid
+        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, pose_errors
         n, steps = (int(sys.argv[5]) if len(sys.argv) > 5 else 8), (int(sys.argv[6]) if len(sys.argv) > 6 else 300)
-        residual_max = calibrate_whole_t(reference_frames(task, 8, 200, "stability_calibration"))
+        residual_max = whole_residual(task)
         wm = CompactWM(run, None)
-        seed0 = task.heldout_seed_base + split_offset("validation") + 500
-        rep = dict(run=run, ae_step=int(torch.load(Path(run) / "ae.pt")["step"]), drives=n, steps=steps, seeds_from=seed0, kinds={})
+        rep = dict(run=run, ae_step=int(torch.load(Path(run) / "ae.pt")["step"]), drives=n, steps=steps, kinds={})
         for kind in ("random", "scripted"):
+            rep["seeds_from"], eps = drives(task, kind, n, steps)
             whole, real, px = [], [], []
-            for i in range(n):
-                e = collect_episode(task, seed0 + i, steps, plan=episode_plan("random", seed0 + i, steps) if kind == "random" else None)
+            for i, e in enumerate(eps):
                 f = e["frames"][10::10]
                 y = wm._dec(wm._enc(f), torch.from_numpy(e["agent_pos"][10::10].astype(np.float32) / 512))
                 if i == 0:  # the first drive: real frames above their reconstructions, every 30 steps
-                    from iws_gym.evaluation.fidelity import save_grid
                     save_grid([f[::3][:10], y[::3][:10]], Path(out).with_name(Path(out).stem + f"_{kind}.png"))
                 for j in range(len(f)):
                     est, t = estimate(y[j]), 10 + 10 * j
-                    whole.append(is_whole_t(est, 128, residual_max)); real.append(is_whole_t(estimate(f[j]), 128, residual_max))
+                    whole.append(is_whole_t(est, f.shape[1], residual_max))
+                    real.append(is_whole_t(estimate(f[j]), f.shape[1], residual_max))
                     px.append(pose_errors(est, e["agent_pos"][t], e["block_pose"][t], e["coverage"][t])["block_px"])
             rep["kinds"][kind] = dict(t_whole_share=float(np.mean(whole)), real_t_whole_share=float(np.mean(real)),
                                       block_px_median=float(np.nanmedian(px)), block_px_p90=float(np.nanquantile(px, 0.9)))
         print(json.dumps(rep["kinds"]))
     elif mode == "whole":
-        from iws_gym.data.collect import collect_episode, episode_plan
-        from iws_gym.data.splits import split_offset
-        from iws_gym.evaluation.stability import reference_frames
-        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, calibrate_whole_t, pose_errors
-        from iws_gym.tasks.pusht.groundtruth import make_env
         from tqdm import tqdm
+        from iws_gym.evaluation.fidelity import save_grid
+        from iws_gym.tasks.pusht.groundtruth import make_env
+        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, pose_errors
         n, steps = int(sys.argv[5]), int(sys.argv[6])
+        if steps < 50:
+            raise SystemExit(f"whole: STEPS must be >= 50 (the pose error at step 50 is reported), got {steps}")
         re, only_open = reencode_arg(sys.argv[7] if len(sys.argv) > 7 else "0")
         split = sys.argv[8] if len(sys.argv) > 8 else "validation"
         wm = CompactWM(run, dyn, re, only_open=only_open)
-        residual_max = calibrate_whole_t(reference_frames(task, 8, 200, "stability_calibration"))
+        residual_max = whole_residual(task)
         env = make_env(task.frame_size)
-        rep = dict(drives=n, steps=steps, split=split, seeds_from=task.heldout_seed_base + split_offset(split) + 500,
-                   residual_max=residual_max, kinds={})
+        rep = dict(drives=n, steps=steps, split=split, residual_max=residual_max, kinds={})
         for kind in ("random", "scripted"):
-            eps = []
-            for i in tqdm(range(n), desc=f"gym-pusht ({kind})"):
-                seed = rep["seeds_from"] + i
-                eps.append(collect_episode(task, seed, steps, env, plan=episode_plan("random", seed, steps) if kind == "random" else None))
+            rep["seeds_from"], eps = drives(task, kind, n, steps, split, env)
             state = wm.start_frames(np.stack([e["frames"][0] for e in eps]), np.stack([e["agent_pos"][0] for e in eps]))
             checks = list(range(10, steps + 1, 10))
             whole, px, rad = np.zeros((n, len(checks))), np.full((n, len(checks)), np.nan), np.full((n, len(checks)), np.nan)
@@ -262,7 +272,6 @@ if __name__ == "__main__":
                                       block_px_median=float(np.nanmedian(px)), block_px_median_by_tenth=tenth(px, np.nanmedian),
                                       block_rad_median=float(np.nanmedian(rad)), block_px_at_50=float(np.nanmedian(px[:, 4])),
                                       drives_whole_throughout=int((whole.min(1) == 1).sum()))
-            from iws_gym.evaluation.fidelity import save_grid
             save_grid([np.stack([f[j] for f in shown]) for j in range(min(4, n))], Path(out).with_name(Path(out).stem + f"_{kind}.png"))
             print(kind, json.dumps({k: v for k, v in rep["kinds"][kind].items() if not isinstance(v, list)}), flush=True)
     else:
