@@ -292,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_merge)
 
     t = sub.add_parser("train", help="train a stage: stage1 (autoencoder), stage2 (dynamics); resumes from OUT/last.pt")
-    t.add_argument("stage", choices=["stage1", "stage2", "recipe"],
-                   help="stage1, stage2, or recipe: collection, both stages and the release in one resumable command")
+    t.add_argument("stage", choices=["stage1", "stage2", "compact1", "compact2", "recipe"],
+                   help="stage1, stage2 (the spatial design), compact1, compact2 (the compact design, models/compact.py), "
+                        "or recipe: collection, both stages and the release in one resumable command")
     t.add_argument("rest", nargs=argparse.REMAINDER, help="stage flags, see `iws train STAGE --help`")
     t.set_defaults(fn=cmd_train)
 

@@ -37,6 +37,22 @@ def test_recipe_runs_collection_both_stages_and_release_and_resumes(tmp_path):
     assert (out / "stage1" / "stage1.safetensors").read_bytes() == before
 
 
+def test_compact_recipe_collects_four_kinds_of_data_and_releases_a_compact_model(tmp_path):
+    out = tmp_path / "compact"
+    run_iws("train", "recipe", "--out", out, "--design", "compact", *TINY[:-2])
+    log = json.loads((out / "recipe.json").read_text())
+    assert {"collect", "collect_expert", "collect_random", "collect_jittery", "compact1", "compact2"} <= set(log["steps"])
+    assert log["steps"]["collect_random"]["seeds"][0] == 300000 and "--extra-data" in log["steps"]["compact2"]["command"]
+    from iws_gym.models.compact import CompactWorldModel
+    from iws_gym.models.world_model import WorldModel
+
+    wm = WorldModel.from_pretrained(out / "release", device="cpu", stages=("stage1", "stage2"))
+    assert isinstance(wm, CompactWorldModel)
+    assert wm.rollout(np.full((128, 128, 3), 255, np.uint8), np.zeros((2, 2)), agent_pos=[256.0, 256.0]).shape[0] == 3
+    proc = run_iws("train", "recipe", "--out", tmp_path / "bad", "--design", "pixels", *TINY, check=False)
+    assert proc.returncode != 0 and "--design must be one of" in proc.stderr
+
+
 def test_collection_workers_record_the_same_episodes(tmp_path):
     from iws_gym.data.episodes import read_episode
 

@@ -97,8 +97,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
                 world_model, decoder_steps, dynamics_steps, reencode=None, compile=False, precision="auto",
                 reencode_every=None, trust=None):
     """What the single and the vector env share: task, world model, scorer, single-env spaces. The
-    rollout options become one frozen RolloutSettings (None: the default)."""
-    from iws_gym.models.world_model import RolloutSettings, WorldModel
+    rollout options change the release's RolloutSettings (None: keep its default)."""
+    from iws_gym.models.world_model import WorldModel
 
     if obs_type not in ("pixels_agent_pos", "pixels"):
         raise ValueError(f"obs_type must be 'pixels_agent_pos' or 'pixels', got {obs_type!r}")
@@ -113,8 +113,8 @@ def setup_world(env, obs_type, observation_width, observation_height, checkpoint
         env.wm = world_model.with_settings(**changes) if changes else world_model
     else:
         env.wm = WorldModel.from_pretrained(checkpoint or env.task.checkpoint_path, device=device,
-                                            stages=("stage1", "stage2"), dtype=DTYPES.get(precision),
-                                            settings=RolloutSettings(**changes))
+                                            stages=("stage1", "stage2"), dtype=DTYPES.get(precision))
+        env.wm = env.wm.with_settings(**changes) if changes else env.wm  # the release's defaults, then the user's
     if compile:
         env.wm.compile()
     env.obs_type, env.size = obs_type, env.task.frame_size

@@ -96,10 +96,17 @@ class WorldModel:
 
     @classmethod
     def from_pretrained(cls, path, device: str = "auto", stages=("stage1",), dtype: torch.dtype | None = None,
-                        settings: RolloutSettings = RolloutSettings()) -> "WorldModel":
+                        settings: RolloutSettings | None = None) -> "WorldModel":
+        """Both stages from a release or run directory. A release of the compact design (models/compact.py)
+        gives a CompactWorldModel, which has this class's interface. settings None: the release's defaults."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        from iws_gym.models.compact import CompactWorldModel, is_compact_release
+
+        if is_compact_release(path):
+            return CompactWorldModel.from_pretrained(path, device, stages, dtype, settings)
+        settings = settings or RolloutSettings()
         f1 = path / STAGE_FILES["stage1"]
         cfg, sd, meta = load_release(f1, "stage1", Stage1Config)
         model = Stage1(cfg)
@@ -267,6 +274,10 @@ def load_predictor(checkpoint, settings: RolloutSettings = RolloutSettings()):
 
     With only stage 1 present it is the autoencoder ceiling: every ground-truth frame encoded and
     decoded (teacher-forced, not a rollout); the report labels it so."""
+    from iws_gym.models.compact import is_compact_release
+
+    if is_compact_release(checkpoint):  # deterministic, no re-encoding by default: the release's own settings
+        return _compact_predictor(checkpoint, settings)
     if WorldModel.has_stage(checkpoint, "stage2"):
         wm = WorldModel.from_pretrained(checkpoint, stages=("stage1", "stage2"), settings=settings)
         cfg = wm.stage2.cfg
@@ -287,6 +298,27 @@ def load_predictor(checkpoint, settings: RolloutSettings = RolloutSettings()):
 
     def autoencode(ep, horizon):
         return wm.reconstruct(ep["frames"][: horizon + 1], steps=settings.decoder_steps, seed=0)
+
+    autoencode.precision = dtype_name(wm.dtype)
+    return "stage1_autoencoder_ceiling", autoencode
+
+
+def _compact_predictor(checkpoint, settings: RolloutSettings):
+    """load_predictor for a compact release: its rollouts, or stage 1's round trip (it draws the agent where the
+    episode's agent_pos puts it). Only the re-encoding settings apply; the others are the defaults."""
+    stages = ("stage1", "stage2") if WorldModel.has_stage(checkpoint, "stage2") else ("stage1",)
+    wm = WorldModel.from_pretrained(checkpoint, stages=stages)
+    wm = wm.with_settings(reencode=settings.reencode, reencode_every=settings.reencode_every)
+    if "stage2" in stages:
+        def roll(ep, horizon):
+            return wm.rollout(ep["frames"][0], ep["actions"][:horizon], agent_pos=ep["agent_pos"][0])
+
+        roll.precision, roll.reencode_every = dtype_name(wm.dtype), settings.reencode_every
+        roll.reencode, roll.dynamics_sampler, roll.dynamics_steps = settings.reencode, "deterministic", 1
+        return "open_loop_rollout", roll
+
+    def autoencode(ep, horizon):
+        return wm.reconstruct(ep["frames"][: horizon + 1], agent_pos=ep["agent_pos"][: horizon + 1])
 
     autoencode.precision = dtype_name(wm.dtype)
     return "stage1_autoencoder_ceiling", autoencode

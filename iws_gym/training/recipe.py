@@ -2,9 +2,12 @@
 
     iws train recipe --task tpushing --out runs/recipe                      # 2 CPU cores
     iws train recipe --task tpushing --out runs/recipe --scale gpu --workers 14 --budget-minutes 9   # one GPU
+    iws train recipe --task tpushing --out runs/compact --design compact     # the compact design (models/compact.py)
 
 Steps, in order: collect the dataset (OUT/data), train stage 1 (OUT/stage1), train stage 2 on it
-(OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>). A step
+(OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>). The compact
+design also collects the planning expert's pushes and uniform-random and jittery drives (OUT/data_expert,
+OUT/data_random, OUT/data_jittery) and trains on all four (stages OUT/compact1, OUT/compact2). A step
 that is done is skipped; one that was interrupted resumes from its checkpoint when the same command runs
 again. `--max-minutes` (per training stage) or `--budget-minutes` (the whole recipe, shared out between
 the stages) stop a stage after a checkpoint: rerun the command to continue, or, with --budget-minutes,
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +30,18 @@ SCALES = {  # model size and batch per stage; "gpu" is what one GPU affords in m
     "cpu": dict(stage1=dict(batch=32, preset="default", crop=64), stage2=dict(batch=32, preset="default")),
     "gpu": dict(stage1=dict(batch=128, preset="default", crop=0), stage2=dict(batch=128, preset="large")),
 }
+COMPACT_SCALES = {  # the compact design: stage-1 batch and preset; its stage 2 is small MLPs at batch 128 anywhere
+    "tiny": dict(batch=4, preset="tiny", stage2_preset="tiny"),
+    "cpu": dict(batch=32, preset="default", stage2_preset="default"),
+    "gpu": dict(batch=256, preset="default", stage2_preset="default"),
+}
+# the compact design's extra collections: (folder, --mix, episodes per 1000 of --episodes, seed offset)
+COMPACT_DATA = [("data_expert", "expert", 750, 200000), ("data_random", "random", 600, 300000),
+                ("data_jittery", "jittery", 300, 310000)]
+DEFAULTS = {  # per design: steps and peak learning rate of each stage
+    "spatial": dict(episodes=600, stage1_steps=24000, stage2_steps=6000, stage1_lr=1e-3, stage2_lr=7e-4),
+    "compact": dict(episodes=400, stage1_steps=24000, stage2_steps=20000, stage1_lr=5e-4, stage2_lr=1e-3),
+}
 
 
 @dataclass
@@ -33,14 +49,16 @@ class RecipeArgs:
     task: str = arg("tpushing", "task config name (iws_gym/envs/configs/<task>.toml)")
     out: str = arg("runs/recipe", "output folder: data/, stage1/, stage2/, release/, recipe.json")
     scale: str = arg("cpu", "model size and batch: tiny (tests) | cpu (2 cores) | gpu (one GPU)")
-    episodes: int = arg(600, "episodes of scripted play to collect")
+    design: str = arg("spatial", "spatial (the shipped stages 1 and 2) | compact (models/compact.py)")
+    episodes: int | None = arg(None, "episodes of scripted play to collect (default: spatial 600, compact 400, plus "
+                                     "0.75x, 0.6x and 0.3x as many expert, random and jittery episodes)")
     episode_steps: int | None = arg(None, "steps per episode (default: the task's)")
     seed: int = arg(0, "collection seed (episode i uses seed + i) and training seed")
     workers: int = arg(1, "collection processes (one per core)")
-    stage1_steps: int = arg(24000, "stage-1 optimizer steps")
-    stage2_steps: int = arg(6000, "stage-2 optimizer steps")
-    stage1_lr: float = arg(1e-3, "stage-1 peak learning rate")
-    stage2_lr: float = arg(7e-4, "stage-2 peak learning rate")
+    stage1_steps: int | None = arg(None, "stage-1 optimizer steps (default: 24000)")
+    stage2_steps: int | None = arg(None, "stage-2 optimizer steps (default: spatial 6000, compact 20000)")
+    stage1_lr: float | None = arg(None, "stage-1 peak learning rate (default: spatial 1e-3, compact 5e-4)")
+    stage2_lr: float | None = arg(None, "stage-2 peak learning rate (default: spatial 7e-4, compact 1e-3)")
     objective: str = arg("consistency", "stage-2 objective: consistency | denoise (see iws train stage2 --help)")
     eval_every: int = arg(1000, "steps between evaluations during training")
     device: str = arg("auto", "auto | cpu | cuda")
@@ -73,6 +91,9 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
 
     if r.scale not in SCALES:
         raise ValueError(f"--scale must be one of {', '.join(SCALES)}, got {r.scale!r}")
+    if r.design not in DEFAULTS:
+        raise ValueError(f"--design must be one of {', '.join(DEFAULTS)}, got {r.design!r}")
+    r = dataclasses.replace(r, **{k: v for k, v in DEFAULTS[r.design].items() if getattr(r, k) is None})
     if min(r.episodes, r.stage1_steps, r.stage2_steps, r.workers) < 1:
         raise ValueError("--episodes, --stage1-steps, --stage2-steps and --workers must be >= 1")
     task = load_task(r.task)
@@ -98,6 +119,17 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         t0 = time.time()
         meta = collect(task, r.episodes, data, seed=r.seed, steps=r.episode_steps, resume=data.is_dir(), workers=r.workers)
         note("collect", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"], episodes=r.episodes)
+    extra = []
+    if r.design == "compact":  # competent pushes, fast random drives and jittery pushes: scenes play rarely shows
+        for folder, mix, per_1000, offset in COMPACT_DATA:
+            n, d = max(1, r.episodes * per_1000 // 1000), out / folder
+            f = d / "dataset.json"
+            if not (f.is_file() and json.loads(f.read_text()).get("episodes") == n):
+                t0 = time.time()
+                meta = collect(task, n, d, seed=r.seed + offset, steps=r.episode_steps, resume=d.is_dir(), mix=mix,
+                               workers=r.workers)
+                note(f"collect_{mix}", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"], episodes=n)
+            extra.append(str(d))
 
     def minutes(share: float):
         if r.budget_minutes is None:
@@ -106,8 +138,13 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         return max(0.5, left * share)
 
     # 2. stage 1, 3. stage 2: the same loop as `iws train STAGE`, with the equivalent command recorded
-    sc = SCALES[r.scale]
+    sc, csc = SCALES[r.scale], COMPACT_SCALES[r.scale]
     stages = [
+        ("compact1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", csc["batch"], "--preset", csc["preset"],
+                                      "--extra-data", ",".join(extra)], 0.6),
+        ("compact2", r.stage2_steps, ["--lr", r.stage2_lr, "--preset", csc["stage2_preset"], "--init", out / "compact1",
+                                      "--extra-data", ",".join(extra)], 1.0),
+    ] if r.design == "compact" else [
         ("stage1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", sc["stage1"]["batch"], "--preset", sc["stage1"]["preset"],
                                     "--crop", sc["stage1"]["crop"]], 0.4),
         ("stage2", r.stage2_steps, ["--lr", r.stage2_lr, "--batch", sc["stage2"]["batch"], "--preset", sc["stage2"]["preset"],
@@ -128,8 +165,8 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
                   f"run the same command again to continue", file=sys.stderr)
             return log
     # 4. release
-    for name in ("stage1", "stage2"):
-        release(out / name, name, out / "release", [])
+    for name, run in zip(("stage1", "stage2"), [s[0] for s in stages]):
+        release(out / run, name, out / "release", [])
     note("release", path=str(out / "release"), wall_s_total=round(sum(s.get("wall_s", 0) for s in log["steps"].values()), 1))
     return log
 

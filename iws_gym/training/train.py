@@ -259,6 +259,11 @@ class StageSpec:
 STAGES = {
     "stage1": StageSpec("iws_gym.training.stage1", TrainArgs(out="runs/stage1", steps=24000, batch=32, lr=1e-3)),
     "stage2": StageSpec("iws_gym.training.stage2", TrainArgs(out="runs/stage2", steps=6000, batch=32, lr=7e-4)),
+    # the compact design (models/compact.py): stage 1, then the dynamics and denoiser on its latents
+    "compact1": StageSpec("iws_gym.training.compact1", TrainArgs(out="runs/compact1", steps=24000, batch=32, lr=5e-4,
+                                                                 warmup=300)),
+    "compact2": StageSpec("iws_gym.training.compact2", TrainArgs(out="runs/compact2", steps=20000, batch=128, lr=1e-3,
+                                                                 warmup=200, weight_decay=1e-4)),
     "policy": StageSpec("iws_gym.training.policy", TrainArgs(data="data/expert", out="runs/visuomotor", steps=12000,
                                                              batch=64, lr=1e-3, eval_every=2000, ckpt_every=500)),
 }

@@ -7,7 +7,7 @@ latent the dynamics only has to move"). Trains on 320 episodes of data/play_expe
       the decoder alone, the encoder frozen (the latents stay valid), cosine learning rate; CYCLE=W adds
       W * |enc(dec(z)) - z|^2 so that re-encoding a rendered frame returns its latent (also without FREEZE_ENC)
   PARTS=P: the decoder draws in P learned part frames (part_maps); NEW_DEC=1 (with FREEZE_ENC=1): a new decoder
-  on RUN/ae.pt's encoder
+  on RUN/ae.pt's encoder; without NEW_DEC, RUN/ae.pt's decoder gains part-frame inputs of zero weight
   N_EPS=K: train on K episodes instead of 320; LR=X: the learning rate (1e-3); EXTRA=DIR,DIR: all episodes of
   these collections as well
 """
@@ -92,6 +92,13 @@ class Dec(nn.Module):
         h = F.pixel_shuffle(s.up2(F.silu(h)), 2)
         return s.out(F.silu(s.n2(h)))
 
+def add_part_inputs(old, new):
+    """A trained decoder's weights for a PARTS decoder: the part-frame inputs start at zero weight, so the new
+    decoder draws exactly what the old one drew and learns to use its part coordinates from there."""
+    w = new["inp.weight"].clone().zero_(); w[:, : old["inp.weight"].shape[1]] = old["inp.weight"]
+    return {**old, "inp.weight": w}
+
+
 def extra_paths():
     """EXTRA=DIR,DIR: every episode of these collections too (e.g. `iws collect --mix random`)."""
     return [p for d in os.environ.get("EXTRA", "").split(",") if d for p in list_episodes(Path(d))]
@@ -126,6 +133,8 @@ if __name__ == "__main__":
         ck = torch.load(resume); enc.load_state_dict(ck["enc"]); step = ck["step"]
         if os.environ.get("NEW_DEC") and not ck.get("new_dec"):  # a new decoder on a trained, frozen encoder
             print("decoder starts afresh"); step = 0
+        elif parts and not ck.get("parts"):  # PARTS=P on a decoder without part frames: it starts as that decoder
+            dec.load_state_dict(add_part_inputs(ck["dec"], dec.state_dict()), strict=False); print("part frames added")
         else:
             dec.load_state_dict(ck["dec"])
         if not freeze:

@@ -1,0 +1,144 @@
+"""The compact world model (models/compact.py): release format, the WorldModel interface the envs use, a world
+at rest, and clear errors."""
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from iws_gym.models.checkpoint import save_release
+from iws_gym.models.compact import (STAGE1_KIND, STAGE2_KIND, CompactStage1, CompactStage1Config, CompactStage2,
+                                    CompactStage2Config, CompactWorldModel, pad_first)
+from iws_gym.models.world_model import WorldModel, load_predictor
+
+LAW = (0.7, -0.1, 0.3, 0.1, 0.7, 0.3)
+TINY1 = CompactStage1Config(z_dim=8, enc_widths=(8, 8, 16, 16), enc_hidden=32, dec_width=16, dec_blocks=1)
+TINY2 = CompactStage2Config(z_dim=8, width=32, blocks=1, agent_motion=LAW, denoiser_blocks=1)
+
+
+def _release(path, gate_bias=1.0, seed=0):
+    torch.manual_seed(seed)
+    s1, s2 = CompactStage1(TINY1), CompactStage2(TINY2)
+    for p in s2.dynamics.out.parameters():  # zero-initialised: a trained model moves z
+        torch.nn.init.normal_(p, std=0.1)
+    torch.nn.init.constant_(s2.dynamics.g[1].bias, gate_bias)
+    save_release(path / "stage1.safetensors", s1.state_dict(), STAGE1_KIND, TINY1)
+    save_release(path / "stage2.safetensors", s2.state_dict(), STAGE2_KIND, TINY2, dtype=torch.float32,
+                 extra=dict(rollout=dict(reencode=False)))
+    return path
+
+
+@pytest.fixture
+def compact(tmp_path):
+    return _release(tmp_path)
+
+
+def _frames(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 255, (n, 128, 128, 3), dtype=np.uint8)
+
+
+def test_release_loads_as_compact_world_model(compact):
+    wm = WorldModel.from_pretrained(compact, device="cpu", stages=("stage1", "stage2"))
+    assert isinstance(wm, CompactWorldModel) and wm.tracks_agent and wm.settings.reencode is False
+    z = wm.encode(_frames(3))
+    assert z.shape == (3, 8) and bool((z.abs() < 1).all())
+    out = wm.rollout(_frames(1)[0], np.full((5, 2), 300.0, np.float32), agent_pos=np.array([100.0, 200.0]))
+    assert out.shape == (6, 128, 128, 3) and out.dtype == np.uint8
+
+
+def test_agent_follows_the_motion_law(compact):
+    wm = WorldModel.from_pretrained(compact, device="cpu", stages=("stage1", "stage2"))
+    state = wm.start_frames(_frames(2), np.array([[100.0, 100.0], [400.0, 50.0]]))
+    wm.step(state, torch.tensor([[300.0, 100.0], [400.0, 50.0]]))
+    # one frame of history: p1 = d0 p0 + d1 a0
+    np.testing.assert_allclose(state["agent"].numpy(), [[0.7 * 100 + 0.3 * 300, 100.0], [400.0, 50.0]], rtol=1e-5)
+
+
+def test_closed_gate_keeps_a_world_at_rest_exact(tmp_path):
+    wm = WorldModel.from_pretrained(_release(tmp_path, gate_bias=-1.0), device="cpu", stages=("stage1", "stage2"))
+    state = wm.start_frames(_frames(1), np.array([[200.0, 200.0]]))
+    z0 = state["ctx"][:, -1].clone()
+    for _ in range(5):
+        wm.step(state, torch.tensor([[200.0, 200.0]]))
+    assert torch.equal(state["ctx"][:, -1], z0) and float(state["gate"][0]) == 0.0
+
+
+def test_open_gate_moves_the_world(compact):
+    wm = WorldModel.from_pretrained(compact, device="cpu", stages=("stage1", "stage2"))
+    state = wm.start_frames(_frames(1), np.array([[200.0, 200.0]]))
+    z0 = state["ctx"][:, -1].clone()
+    wm.step(state, torch.tensor([[250.0, 200.0]]))
+    assert not torch.equal(state["ctx"][:, -1], z0)
+
+
+def test_pad_first_repeats_the_first_valid_slot():
+    x = torch.arange(8.0).view(2, 4, 1)
+    out = pad_first(x, torch.tensor([1, 3]))
+    assert out[0, :, 0].tolist() == [3, 3, 3, 3] and out[1, :, 0].tolist() == [5, 5, 6, 7]
+
+
+def test_clear_errors(compact):
+    wm = WorldModel.from_pretrained(compact, device="cpu", stages=("stage1", "stage2"))
+    with pytest.raises(ValueError, match="agent_pos"):
+        wm.start_frames(_frames(1))
+    with pytest.raises(ValueError, match="deterministic"):
+        wm.with_settings(decoder_steps=2)
+    with pytest.raises(ValueError, match="agent_pos must be 2"):
+        wm.start_frames(_frames(2), np.array([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="motion law"):
+        CompactStage2(CompactStage2Config(agent_motion=()))
+
+
+def test_env_and_vector_env_run_on_a_compact_release(compact):
+    from gymnasium.utils.env_checker import check_env
+
+    env = gym.make("IWS-TPushing-v0", checkpoint=str(compact), device="cpu")
+    check_env(env.unwrapped, skip_render_check=True)
+    env.reset(seed=0)
+    obs, r, term, trunc, info = env.step(env.action_space.sample())
+    assert env.observation_space.contains(obs) and 0.0 <= info["trust"] <= 1.0
+    venv = gym.make_vec("IWS-TPushing-v0", num_envs=3, vectorization_mode="vector_entry_point", checkpoint=str(compact),
+                        device="cpu", reencode=True)
+    venv.reset(seed=1)
+    obs, r, *_ = venv.step(venv.action_space.sample())
+    assert obs["pixels"].shape[0] == 3 and r.shape == (3,)
+
+
+def test_fidelity_predictor_of_a_compact_release(compact):
+    kind, roll = load_predictor(compact)
+    ep = dict(frames=_frames(4), actions=np.full((3, 2), 256.0, np.float32), agent_pos=np.full((4, 2), 256.0))
+    assert kind == "open_loop_rollout" and roll(ep, 3).shape == (4, 128, 128, 3)
+
+
+def test_train_both_stages_release_and_step(tiny_dataset, tmp_path):
+    """`iws train compact1` and `compact2` at toy scale, released like the shipped weights, then stepped as an env;
+    rerunning a finished stage resumes from its checkpoint instead of starting over."""
+    from .conftest import run_iws
+
+    c1, c2, rel = tmp_path / "c1", tmp_path / "c2", tmp_path / "release"
+    run_iws("train", "compact1", "--data", tiny_dataset, "--out", c1, "--steps", 6, "--batch", 4, "--preset", "tiny",
+            "--eval-every", 3, "--ckpt-every", 3, "--warmup", 1, "--freeze-encoder-at", 0.5)
+    run_iws("train", "compact2", "--data", tiny_dataset, "--init", c1, "--out", c2, "--steps", 4, "--batch", 8,
+            "--preset", "tiny", "--horizon", 4, "--eval-every", 2, "--ckpt-every", 2, "--warmup", 1)
+    r2 = json.loads((c2 / "train_result.json").read_text())
+    assert r2["step"] == 4 and np.isfinite(r2["eval"]["latent_err_32"]) and "denoiser_rms_0.05" in r2["eval"]
+    run_iws("train", "compact2", "--data", tiny_dataset, "--init", c1, "--out", c2, "--steps", 6, "--batch", 8,
+            "--preset", "tiny", "--horizon", 4, "--eval-every", 2, "--ckpt-every", 2, "--warmup", 1)
+    assert json.loads((c2 / "train_result.json").read_text())["step"] == 6
+    for run, stage in ((c1, "stage1"), (c2, "stage2")):
+        run_iws("release", "--run", run, "--stage", stage, "--dest", rel)
+    wm = WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2"))
+    assert isinstance(wm, CompactWorldModel) and len(wm.stage2.cfg.agent_motion) == 6
+    env = gym.make("IWS-TPushing-v0", checkpoint=str(rel), device="cpu")
+    env.reset(seed=0)
+    obs, *_ = env.step(env.action_space.sample())
+    assert env.observation_space.contains(obs)
+
+
+def test_compact2_needs_a_compact_stage1(tiny_dataset, tiny_stage1, tmp_path):
+    from .conftest import run_iws
+
+    with pytest.raises(Exception, match="compact_stage1"):
+        run_iws("train", "compact2", "--data", tiny_dataset, "--init", tiny_stage1, "--out", tmp_path / "c2",
+                "--steps", 2, "--preset", "tiny")
