@@ -47,13 +47,23 @@ def cmd_eval_pose(a):
     _emit(validate_pose_estimator(_task(a.task), a.episodes, a.steps), a.json)
 
 
+def _reencode(a) -> bool:
+    """--reencode / --no-reencode as given, else the release's own default (the spatial design re-encodes, the
+    compact one does not)."""
+    if a.reencode is not None:
+        return a.reencode
+    from iws_gym.models.world_model import release_reencodes
+
+    return release_reencodes(a.checkpoint or _task(a.task).checkpoint_path)
+
+
 def cmd_eval_fidelity(a):
     from iws_gym.evaluation.fidelity import fidelity
 
     from iws_gym.models.world_model import RolloutSettings
 
     given = dict(decoder_steps=a.decoder_steps, dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler,
-                 reencode=a.reencode, reencode_every=a.reencode_every, ctx_sigma=a.ctx_sigma)
+                 reencode=_reencode(a), reencode_every=a.reencode_every, ctx_sigma=a.ctx_sigma)
     settings = RolloutSettings(**{k: v for k, v in given.items() if v is not None})
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       settings=settings, plot=Path(a.plot) if a.plot else None, grid=Path(a.grid) if a.grid else None,
@@ -96,7 +106,7 @@ def cmd_eval_stability(a):
     from iws_gym.evaluation.stability import stability
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
-                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode,
+                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=_reencode(a),
                     reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps), a.json)
 
 
@@ -123,7 +133,7 @@ def cmd_eval_correlate(a):
         extra[name] = spec
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies, extra=extra,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
-                    reencode=a.reencode, reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
+                    reencode=_reencode(a), reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
 
 
 def cmd_eval_datagen(a):
@@ -351,8 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     ef.add_argument("--dynamics-steps", type=int, default=None, help="sampler steps per dynamics prediction (default: the model's)")
     ef.add_argument("--dynamics-sampler", default=None, choices=["consistency", "euler"],
                     help="consistency jumps or Euler steps of the probability-flow ODE (default: the model's own)")
-    ef.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
-                    help="encode each decoded frame back into the context (the env's default)")
+    ef.add_argument("--reencode", default=None, action=argparse.BooleanOptionalAction,
+                    help="encode each decoded frame back into the context (default: the release's; the spatial "
+                         "design does, the compact one does not)")
     _add_reencode_every(ef)
     ef.add_argument("--ctx-sigma", type=float, default=None,
                     help="noise level of the context latents at inference (default: the release's, 0.02)")
@@ -410,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "put: a still world must stay still)")
     es.add_argument("--seed", type=int, default=0)
     es.add_argument("--device", default="auto")
-    es.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
-                    help="encode each decoded frame back into the context (the env's default)")
+    es.add_argument("--reencode", default=None, action=argparse.BooleanOptionalAction,
+                    help="encode each decoded frame back into the context (default: the release's; the spatial "
+                         "design does, the compact one does not)")
     _add_reencode_every(es)
     es.add_argument("--calib-episodes", type=int, default=8,
                     help="real episodes per drive (scripted, random targets) for the validity envelope, as many again "
@@ -440,8 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add a policy to the suite (repeatable): MODULE:CALLABLE or a policy's weights, e.g. "
                          "visuomotor_5000=runs/visuomotor/visuomotor_step5000.safetensors")
     ec.add_argument("--workers", type=int, default=2, help="policies run at once in separate processes")
-    ec.add_argument("--reencode", default=True, action=argparse.BooleanOptionalAction,
-                    help="the learned env re-encodes each observation into its context (its default)")
+    ec.add_argument("--reencode", default=None, action=argparse.BooleanOptionalAction,
+                    help="the learned env re-encodes each observation into its context (default: the release's)")
     _add_reencode_every(ec)
     ec.add_argument("--checkpoint", default=None)
     ec.add_argument("--device", default="auto")

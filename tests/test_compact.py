@@ -142,3 +142,15 @@ def test_compact2_needs_a_compact_stage1(tiny_dataset, tiny_stage1, tmp_path):
     with pytest.raises(Exception, match="compact_stage1"):
         run_iws("train", "compact2", "--data", tiny_dataset, "--init", tiny_stage1, "--out", tmp_path / "c2",
                 "--steps", 2, "--preset", "tiny")
+
+
+def test_eval_commands_use_the_release_default_of_no_reencoding(compact, tmp_path):
+    from .conftest import run_iws
+
+    run_iws("eval", "stability", "--checkpoint", compact, "--steps", 4, "--check-every", 2, "--actions", "hold",
+            "--calib-episodes", 1, "--calib-steps", 5, "--json", tmp_path / "s.json")
+    r = json.loads((tmp_path / "s.json").read_text())
+    assert r["reencode"] is False and r["rollouts"]["hold"]["checks"] == 2
+    run_iws("eval", "stability", "--checkpoint", compact, "--steps", 4, "--check-every", 2, "--actions", "hold",
+            "--calib-episodes", 1, "--calib-steps", 5, "--reencode", "--json", tmp_path / "s2.json")
+    assert json.loads((tmp_path / "s2.json").read_text())["reencode"] is True

@@ -196,10 +196,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             if settings.reencode:
                 frame = wm.step(state, torch.from_numpy(actions[t])[None], generator=gen)[0]
             else:
-                z = wm.advance(state, torch.from_numpy(actions[t])[None], generator=gen)
+                wm.advance(state, torch.from_numpy(actions[t])[None], generator=gen)
             if (t + 1) % check_every == 0 or t + 1 == steps:
                 if not settings.reencode:
-                    frame = wm.decode(z, generator=gen)[0]
+                    frame = wm.decode_last(state, generator=gen)[0]
                 stats = frame_stats(frame)
                 bad = failures(stats, envelope)
                 n_checks += 1

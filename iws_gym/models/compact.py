@@ -332,6 +332,10 @@ class CompactWorldModel:
         with autocast(self.device, self.dtype == torch.bfloat16):
             return tensor_to_frames(self.stage1.decoder(z.float(), p.float()))
 
+    def decode_last(self, state: dict, generator=None) -> np.ndarray:
+        """The frames of the newest latent in a rollout state, the agent where its track is."""
+        return self.decode(state["ctx"][:, -1], state["agent_hist"][:, -1])
+
     def reconstruct(self, frames: np.ndarray, agent_pos=None, batch: int = 64, **_) -> np.ndarray:
         if agent_pos is None:
             raise ValueError("reconstruct needs the agent's positions agent_pos (N, 2) canvas px for the compact decoder")

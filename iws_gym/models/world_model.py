@@ -145,6 +145,10 @@ class WorldModel:
         x = decode(self.stage1.decoder, z, steps or self.settings.decoder_steps, generator=generator)
         return tensor_to_frames(x)
 
+    def decode_last(self, state: dict, generator: torch.Generator | None = None) -> np.ndarray:
+        """The frames of the newest latent in a rollout state (what `step` would show), without re-encoding."""
+        return self.decode(state["ctx"][:, -1], generator=generator)
+
     def reconstruct(self, frames: np.ndarray, steps: int | None = None, seed: int | None = None,
                     batch: int = 64) -> np.ndarray:
         out = [self.decode(self.encode(frames[i : i + batch]), steps, seed) for i in range(0, len(frames), batch)]
@@ -267,6 +271,15 @@ class WorldModel:
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None], generator=gen)[0])
         return np.stack(frames)
+
+
+def release_reencodes(checkpoint) -> bool:
+    """Whether a release re-encodes by default: the spatial design does; a compact release says in its metadata."""
+    from iws_gym.models.compact import is_compact_release
+
+    if is_compact_release(checkpoint):
+        return WorldModel.from_pretrained(checkpoint, device="cpu", stages=("stage1", "stage2")).settings.reencode
+    return RolloutSettings.reencode
 
 
 def load_predictor(checkpoint, settings: RolloutSettings = RolloutSettings()):
