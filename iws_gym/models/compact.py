@@ -308,6 +308,8 @@ class CompactWorldModel:
                              f"{getattr(frames, 'shape', None)} dtype {getattr(frames, 'dtype', type(frames).__name__)}")
 
     def _agent(self, agent_pos, B) -> torch.Tensor:
+        if isinstance(agent_pos, torch.Tensor):
+            agent_pos = agent_pos.detach().cpu().numpy()
         q = torch.as_tensor(np.asarray(agent_pos, np.float32), device=self.device).reshape(-1, 2)
         if len(q) != B or not torch.isfinite(q).all():
             raise ValueError(f"agent_pos must be {B} finite (x, y) canvas positions, got {q.tolist()}")
@@ -322,25 +324,30 @@ class CompactWorldModel:
             return self.stage1.encoder(frames_to_tensor(frames, self.device)).float()
 
     @torch.inference_mode()
-    def decode(self, z: torch.Tensor, agent_pos=None, **_) -> np.ndarray:
-        """The frames of latents z (B, D) with the agent at agent_pos (B, 2) canvas px (its proprioception)."""
+    def _render(self, z: torch.Tensor, p: torch.Tensor) -> np.ndarray:
+        """Frames of latents z (B, D) with the agent at p (B, 2) in [0, 1]."""
         from iws_gym.models.frames import tensor_to_frames
 
-        if agent_pos is None:
-            raise ValueError("the compact decoder draws the agent where the robot says it is: pass agent_pos (B, 2)")
-        p = agent_pos if isinstance(agent_pos, torch.Tensor) else self._agent(agent_pos, len(z)) * 1.0
         with autocast(self.device, self.dtype == torch.bfloat16):
             return tensor_to_frames(self.stage1.decoder(z.float(), p.float()))
 
+    def decode(self, z: torch.Tensor, agent_pos=None, **_) -> np.ndarray:
+        """The frames of latents z (B, D) with the agent at agent_pos (B, 2) canvas px: the compact decoder draws it
+        where the robot's proprioception says it is."""
+        if agent_pos is None:
+            raise ValueError("the compact decoder draws the agent where the robot says it is: pass agent_pos (B, 2)")
+        return self._render(z, self._agent(agent_pos, len(z)))
+
     def decode_last(self, state: dict, generator=None) -> np.ndarray:
         """The frames of the newest latent in a rollout state, the agent where its track is."""
-        return self.decode(state["ctx"][:, -1], state["agent_hist"][:, -1])
+        return self._render(state["ctx"][:, -1], state["agent_hist"][:, -1])
 
     def reconstruct(self, frames: np.ndarray, agent_pos=None, batch: int = 64, **_) -> np.ndarray:
+        """decode(encode(frames)) with the agent at agent_pos (N, 2) canvas px."""
         if agent_pos is None:
             raise ValueError("reconstruct needs the agent's positions agent_pos (N, 2) canvas px for the compact decoder")
         p = self._agent(agent_pos, len(frames))
-        return np.concatenate([self.decode(self.encode(frames[i : i + batch]), p[i : i + batch])
+        return np.concatenate([self._render(self.encode(frames[i : i + batch]), p[i : i + batch])
                                for i in range(0, len(frames), batch)])
 
     # ---- the rolling context, batched
@@ -382,8 +389,7 @@ class CompactWorldModel:
         `reencode_every`-th step puts the frame's encoding back into the window where the gate is open (a world
         held at rest keeps its latent: the round trip would move it); `settings.trust` computes the cycle error."""
         z = self.advance(state, actions)
-        p = state["agent_hist"][:, -1]
-        frames = self.decode(z, p)
+        frames = self._render(z, state["agent_hist"][:, -1])
         st = self.settings
         due = (state["t"] % st.reencode_every == 0) & (state["gate"] > 0) if st.reencode else None
         if st.trust or (due is not None and bool(due.any())):

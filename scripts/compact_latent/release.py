@@ -3,6 +3,7 @@
 writes OUT/stage1.safetensors and OUT/stage2.safetensors (kinds compact_stage1 / compact_stage2) with the configs in
 their metadata, so `gym.make("IWS-TPushing-v0", checkpoint=OUT)` and every `iws eval` run on it. Stage 2 is stored in
 fp32 (its MLP is evaluated in fp32), stage 1 in bf16 (evaluated under bf16 autocast where the CPU has it)."""
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,7 +41,18 @@ def main(run, dyn, proj, out):
     save_release(out / "stage1.safetensors", s1.state_dict(), STAGE1_KIND, cfg1, extra=dict(provenance=prov))
     save_release(out / "stage2.safetensors", s2.state_dict(), STAGE2_KIND, cfg2, dtype=torch.float32,
                  extra=dict(provenance=prov, rollout=dict(reencode=False)))
-    print(json.dumps(prov, indent=1))
+    lineage = ["reports/ablation_compact_train.json", "reports/ablation_compact_gate_train.json",
+               "reports/ablation_compact_rj_train.json", "reports/ablation_compact_pol_train.json"]
+    full = dict(stage1=dict(file="stage1.safetensors", kind=STAGE1_KIND, steps=ae["step"], config=dataclasses.asdict(cfg1)),
+                stage2=dict(file="stage2.safetensors", kind=STAGE2_KIND, dynamics_steps=dk["step"],
+                            denoiser_steps=pk["step"] if pk else None, config=dataclasses.asdict(cfg2)),
+                released_at_commit=prov["commit"], command=prov["command"], source=prov["source"],
+                lineage=[f for f in lineage if Path(f).is_file()],
+                note="trained by the ablation scripts in scripts/compact_latent over several sessions (the lineage files "
+                     "hold every command and log); `iws train recipe --design compact` is the one-command path "
+                     "for new weights of this design")
+    (out / "provenance.json").write_text(json.dumps(full, indent=1))
+    print(json.dumps(full, indent=1))
 
 
 if __name__ == "__main__":
