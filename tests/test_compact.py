@@ -18,6 +18,7 @@ TINY2 = CompactStage2Config(z_dim=8, width=32, blocks=1, agent_motion=LAW, denoi
 
 
 def _release(path, gate_bias=1.0, seed=0):
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     s1, s2 = CompactStage1(TINY1), CompactStage2(TINY2)
     for p in s2.dynamics.out.parameters():  # zero-initialised: a trained model moves z
@@ -154,3 +155,18 @@ def test_eval_commands_use_the_release_default_of_no_reencoding(compact, tmp_pat
     run_iws("eval", "stability", "--checkpoint", compact, "--steps", 4, "--check-every", 2, "--actions", "hold",
             "--calib-episodes", 1, "--calib-steps", 5, "--reencode", "--json", tmp_path / "s2.json")
     assert json.loads((tmp_path / "s2.json").read_text())["reencode"] is True
+
+
+def test_trust_is_the_denoisers_correction_and_free(compact, tmp_path):
+    wm = WorldModel.from_pretrained(compact, device="cpu", stages=("stage1", "stage2"))
+    assert wm.settings.trust
+    state = wm.start_frames(_frames(1), np.array([[200.0, 200.0]]))
+    calls = []
+    enc = wm.stage1.encoder.forward
+    wm.stage1.encoder.forward = lambda x: calls.append(1) or enc(x)
+    wm.step(state, torch.tensor([[300.0, 250.0]]))
+    assert not calls and float(state["denoised"][0]) > 0 and 0 < float(state["trust"][0]) <= 1
+    rest = WorldModel.from_pretrained(_release(tmp_path / "rest", gate_bias=-1.0), device="cpu", stages=("stage1", "stage2"))
+    state = rest.start_frames(_frames(1), np.array([[200.0, 200.0]]))
+    rest.step(state, torch.tensor([[200.0, 200.0]]))
+    assert float(state["denoised"][0]) == 0.0 and float(state["trust"][0]) == 1.0

@@ -237,13 +237,17 @@ class CompactStage2(nn.Module):
         self.denoiser = Denoiser(cfg) if cfg.denoiser_blocks else None
 
     def predict(self, z, p, a, n_valid):
-        """The next latent and the gate (see Dynamics); the denoiser pulls moved latents back (not those at rest)."""
+        """The next latent, the gate (see Dynamics) and how far the denoiser moved it (B,), in z's standard
+        deviations squared (0 without a denoiser, and at rest: the denoiser only touches latents that moved)."""
         z1, gate = self.dynamics(z, p, a, n_valid)
+        moved = torch.zeros(len(z1), device=z1.device)
         if self.denoiser is not None and self.cfg.denoiser_sigma > 0:
             p1 = agent_landing(p, a, n_valid, self.cfg.agent_motion).clamp(0, 1)
             zd = self.denoiser(z1, p1, torch.full((len(z1),), self.cfg.denoiser_sigma, device=z1.device))
-            z1 = torch.where((gate > 0)[:, None], zd, z1)
-        return z1, gate
+            open_ = (gate > 0)[:, None]
+            moved = torch.where(open_, (zd - z1) / self.denoiser.z_sd, 0.0).pow(2).mean(1)
+            z1 = torch.where(open_, zd, z1)
+        return z1, gate, moved
 
 
 class CompactWorldModel:
@@ -362,7 +366,8 @@ class CompactWorldModel:
         return dict(ctx=z0.float()[:, None].repeat(1, K, 1), agent_hist=p[:, None].repeat(1, K, 1),
                     acts=torch.zeros(B, K, 2, device=self.device), n_valid=torch.ones(B, dtype=torch.long, device=self.device),
                     t=torch.zeros(B, dtype=torch.long, device=self.device), agent=p * CANVAS,
-                    gate=ones.clone(), trust_m=torch.zeros(B, device=self.device), trust=ones.clone(), trust_min=ones.clone())
+                    gate=ones.clone(), denoised=torch.zeros(B, device=self.device), trust_m=torch.zeros(B, device=self.device),
+                    trust=ones.clone(), trust_min=ones.clone())
 
     def start_frames(self, frames: np.ndarray, agent_pos=None) -> dict:
         return self.start(self.encode(frames), agent_pos)
@@ -374,7 +379,7 @@ class CompactWorldModel:
         a = torch.as_tensor(actions, dtype=torch.float32, device=self.device).reshape(-1, 2) / CANVAS
         nv = state["n_valid"]
         acts = pad_first(torch.cat([state["acts"][:, 1:], a[:, None]], 1), nv)
-        z1, gate = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv)
+        z1, gate, state["denoised"] = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv)
         p1 = agent_landing(state["agent_hist"], acts, nv, cfg.agent_motion).clamp(0, 1)
         nv1 = (nv + 1).clamp(max=K)
         state["acts"] = acts
@@ -387,14 +392,20 @@ class CompactWorldModel:
     def step(self, state: dict, actions: torch.Tensor, generator=None) -> np.ndarray:
         """One env step: predict, decode with the agent where its track is. With `settings.reencode`, every
         `reencode_every`-th step puts the frame's encoding back into the window where the gate is open (a world
-        held at rest keeps its latent: the round trip would move it); `settings.trust` computes the cycle error."""
+        held at rest keeps its latent: the round trip would move it).
+
+        `settings.trust`: with a denoiser, the signal is how far it had to move the prediction back towards the
+        encodable scenes (free: it runs anyway); without one, the decode-encode cycle error (an extra encode)."""
         z = self.advance(state, actions)
         frames = self._render(z, state["agent_hist"][:, -1])
         st = self.settings
         due = (state["t"] % st.reencode_every == 0) & (state["gate"] > 0) if st.reencode else None
-        if st.trust or (due is not None and bool(due.any())):
+        free = self.stage2.denoiser is not None
+        if st.trust and free:
+            trust.update(state, state["denoised"], self.trust_calibration)
+        if (st.trust and not free) or (due is not None and bool(due.any())):
             z_obs = self.encode(frames)
-            if st.trust:
+            if st.trust and not free:
                 trust.update(state, trust.cycle_error(z, z_obs, self.stage2.dynamics.z_sd), self.trust_calibration)
             if due is not None and bool(due.any()):
                 state["ctx"][:, -1] = torch.where(due[:, None], z_obs, state["ctx"][:, -1])
