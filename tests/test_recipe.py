@@ -64,8 +64,9 @@ def test_collection_workers_record_the_same_episodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_script_runs_at_toy_scale_on_a_cpu(tmp_path):
-    env = {**os.environ, "IWS_RECIPE_SCALE": "tiny", "OMP_NUM_THREADS": "1"}
+@pytest.mark.parametrize("design", ["spatial", "compact"])
+def test_gpu_script_runs_at_toy_scale_on_a_cpu(tmp_path, design):
+    env = {**os.environ, "IWS_RECIPE_SCALE": "tiny", "OMP_NUM_THREADS": "1", "IWS_RECIPE_DESIGN": design}
     subprocess.run(["bash", str(ROOT / "scripts" / "gpu_recipe.sh"), str(tmp_path)], check=True, env=env, cwd=ROOT,
                    capture_output=True, timeout=600)
     assert (tmp_path / "recipe" / "release" / "stage2.safetensors").is_file()
