@@ -16,7 +16,8 @@ them a world model with the WorldModel interface they use.
       gym-pusht's, by tenth of the drive. Many drives instead of stability's one per kind.
   python scripts/compact_latent/compact_eval.py recondrive RUN - OUT.json [N] [STEPS]
       stage 1 alone on the whole mode's drives (N of each kind, every 10th frame): is decode(encode(frame))
-      a whole T (the real frames all are), and the T's pose error
+      a whole T (the real frames all are; and which part of the check fails: area, fit residual, IoU), and the
+      T's pose error
 STAB_SEED=n: stability's drive seed (0; other seeds for tuning, 0 for the reported figure).
 PROJ=RUN/proj.pt (compact_dyn.py proj) with PROJ_SIGMA=s (0.05): each predicted latent denoised at sigma s.
 reencode: 0 never, 1 every step, open every step where the dynamics' gate is open (a gated model's world at
@@ -209,14 +210,15 @@ if __name__ == "__main__":
                for n, p in rep["per_policy"].items()})
     elif mode == "recondrive":
         from iws_gym.evaluation.fidelity import save_grid
-        from iws_gym.tasks.pusht.pose import estimate, is_whole_t, pose_errors
+        from iws_gym.tasks.pusht.pose import (WHOLE_AREA_TOL, WHOLE_IOU, area_ratio, estimate, is_whole_t,
+                                              pose_errors)
         n, steps = (int(sys.argv[5]) if len(sys.argv) > 5 else 8), (int(sys.argv[6]) if len(sys.argv) > 6 else 300)
         residual_max = whole_residual(task)
         wm = CompactWM(run, None)
         rep = dict(run=run, ae_step=int(torch.load(Path(run) / "ae.pt")["step"]), drives=n, steps=steps, kinds={})
         for kind in ("random", "scripted"):
             rep["seeds_from"], eps = drives(task, kind, n, steps)
-            whole, real, px = [], [], []
+            whole, real, px, ratio, res_ok, iou_ok = [], [], [], [], [], []
             for i, e in enumerate(eps):
                 f = e["frames"][10::10]
                 y = wm._dec(wm._enc(f), torch.from_numpy(e["agent_pos"][10::10].astype(np.float32) / 512))
@@ -225,10 +227,16 @@ if __name__ == "__main__":
                 for j in range(len(f)):
                     est, t = estimate(y[j]), 10 + 10 * j
                     whole.append(is_whole_t(est, f.shape[1], residual_max))
+                    ratio.append(area_ratio(est, f.shape[1]))  # which part of the check fails
+                    res_ok.append(est.block is not None and est.fit_residual <= residual_max)
+                    iou_ok.append(est.block is not None and est.t_iou >= WHOLE_IOU)
                     real.append(is_whole_t(estimate(f[j]), f.shape[1], residual_max))
                     px.append(pose_errors(est, e["agent_pos"][t], e["block_pose"][t], e["coverage"][t])["block_px"])
             rep["kinds"][kind] = dict(t_whole_share=float(np.mean(whole)), real_t_whole_share=float(np.mean(real)),
-                                      block_px_median=float(np.nanmedian(px)), block_px_p90=float(np.nanquantile(px, 0.9)))
+                                      block_px_median=float(np.nanmedian(px)), block_px_p90=float(np.nanquantile(px, 0.9)),
+                                      area_ok=float(np.mean(np.abs(np.asarray(ratio) - 1) <= WHOLE_AREA_TOL)),
+                                      area_ratio_median=float(np.nanmedian(ratio)), residual_ok=float(np.mean(res_ok)),
+                                      iou_ok=float(np.mean(iou_ok)))
         print(json.dumps(rep["kinds"]))
     elif mode == "whole":
         from tqdm import tqdm
