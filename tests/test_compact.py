@@ -119,7 +119,7 @@ def test_train_both_stages_release_and_step(tiny_dataset, tmp_path):
 
     c1, c2, rel = tmp_path / "c1", tmp_path / "c2", tmp_path / "release"
     run_iws("train", "compact1", "--data", tiny_dataset, "--out", c1, "--steps", 6, "--batch", 4, "--preset", "tiny",
-            "--eval-every", 3, "--ckpt-every", 3, "--warmup", 1, "--freeze-encoder-at", 0.5, "--parts", 2)
+            "--eval-every", 3, "--ckpt-every", 3, "--warmup", 1, "--freeze-encoder-at", 0.5)
     run_iws("train", "compact2", "--data", tiny_dataset, "--init", c1, "--out", c2, "--steps", 4, "--batch", 8,
             "--preset", "tiny", "--horizon", 4, "--eval-every", 2, "--ckpt-every", 2, "--warmup", 1)
     r2 = json.loads((c2 / "train_result.json").read_text())
@@ -130,7 +130,7 @@ def test_train_both_stages_release_and_step(tiny_dataset, tmp_path):
     for run, stage in ((c1, "stage1"), (c2, "stage2")):
         run_iws("release", "--run", run, "--stage", stage, "--dest", rel)
     wm = WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2"))
-    assert isinstance(wm, CompactWorldModel) and len(wm.stage2.cfg.agent_motion) == 6 and wm.stage1.cfg.parts == 2
+    assert isinstance(wm, CompactWorldModel) and len(wm.stage2.cfg.agent_motion) == 6
     env = gym.make("IWS-TPushing-v0", checkpoint=str(rel), device="cpu")
     env.reset(seed=0)
     obs, *_ = env.step(env.action_space.sample())

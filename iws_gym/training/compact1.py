@@ -26,15 +26,13 @@ from iws_gym.training.common import StageBase, arg, psnr
 @dataclass
 class Options:
     z_dim: int = arg(24, "numbers per frame (the latent z)")
-    parts: int = arg(0, "learned part frames the decoder also draws in (models/compact.py, part_maps); 0: none")
     extra_data: str = arg("", "more datasets to train on, comma-separated (e.g. `iws collect --mix random` and "
                               "`--mix jittery` collections: the decoder must draw the scenes fast drives make)")
     freeze_encoder_at: float = arg(0.75, "share of the steps after which only the decoder trains")
     cycle: float = arg(0.5, "weight of |E(D(z)) - z|^2")
     fg_weight: float = arg(4.0, "extra loss weight on pixels that differ from the background")
     z_noise: float = arg(0.01, "noise added to z before decoding, in training")
-    finetune: str | None = arg(None, "continue this compact stage-1 release (its config; --z-dim and --parts are "
-                                     "ignored)")
+    finetune: str | None = arg(None, "continue this compact stage-1 release (its config; --z-dim is ignored)")
     preset: str = arg("default", "model size: default | tiny (tests)")
 
 
@@ -103,7 +101,7 @@ class Stage(StageBase):
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {o.preset!r}")
         if not 0.0 <= o.freeze_encoder_at <= 1.0:
             raise ValueError(f"--freeze-encoder-at must be in [0, 1], got {o.freeze_encoder_at}")
-        cfg, init_sd = CompactStage1Config(z_dim=o.z_dim, parts=o.parts, **PRESETS[o.preset]), None
+        cfg, init_sd = CompactStage1Config(z_dim=o.z_dim, **PRESETS[o.preset]), None
         if o.finetune:
             f1 = find_release(o.finetune, "stage1")
             cfg, init_sd, _ = load_release(f1, STAGE1_KIND, CompactStage1Config)
