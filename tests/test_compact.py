@@ -170,17 +170,3 @@ def test_trust_is_the_denoisers_correction_and_free(compact, tmp_path):
     state = rest.start_frames(_frames(1), np.array([[200.0, 200.0]]))
     rest.step(state, torch.tensor([[200.0, 200.0]]))
     assert float(state["denoised"][0]) == 0.0 and float(state["trust"][0]) == 1.0
-
-
-def test_part_frame_decoder_draws_and_round_trips_its_release(tmp_path):
-    import dataclasses
-
-    from iws_gym.models.checkpoint import load_release
-
-    cfg = dataclasses.replace(TINY1, parts=2)
-    s1 = CompactStage1(cfg)
-    save_release(tmp_path / "stage1.safetensors", s1.state_dict(), STAGE1_KIND, cfg)
-    cfg2, sd, _ = load_release(tmp_path / "stage1.safetensors", STAGE1_KIND, CompactStage1Config)
-    assert cfg2.parts == 2 and sd["decoder.inp.weight"].shape[1] == 21 + 36
-    y = s1.decoder(torch.zeros(3, 8), torch.full((3, 2), 0.5))
-    assert y.shape == (3, 3, 128, 128) and torch.isfinite(y).all()

@@ -48,7 +48,6 @@ class CompactStage1Config:
     dec_width: int = 96
     dec_blocks: int = 5
     dec_grid: int = 32                      # the decoder's grid; two 2x upsamplings to the frame
-    parts: int = 0                          # learned part frames the decoder also draws in (part_maps); 0: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,30 +114,15 @@ def coord_maps(B: int, n: int, agent: torch.Tensor) -> torch.Tensor:
     return torch.cat([base, torch.stack([dx * 4, dy * 4, blob], 1)], 1)
 
 
-def part_maps(frames: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, P*18, n, n): the grid's coordinates in each of P part frames (B, P, 4: centre x, y in [0, 1], cos, sin),
-    u = R^T (xy - centre), with Fourier features. A shape drawn as a function of u moves and turns with its frame,
-    so a rigid object is the same drawing in its own coordinates wherever it lies; nothing says which object."""
-    t = (torch.arange(n, device=frames.device) + 0.5) / n
-    y, x = torch.meshgrid(t, t, indexing="ij")
-    dx, dy = x[None, None] - frames[..., 0, None, None], y[None, None] - frames[..., 1, None, None]
-    c, s = frames[..., 2, None, None], frames[..., 3, None, None]
-    u, v = (c * dx + s * dy) * 4, (-s * dx + c * dy) * 4  # about [-2, 2] over the frame
-    feats = [u, v] + [f(math.pi * k * w / 2) for k in (1, 2, 4, 8) for w in (u, v) for f in (torch.sin, torch.cos)]
-    return torch.stack(feats, 2).flatten(1, 2)
-
-
 class Decoder(nn.Module):
     """(z (B, z_dim), agent (B, 2) in [0, 1]) -> (B, 3, H, W) in about [-1, 1]."""
 
     def __init__(self, cfg: CompactStage1Config):
         super().__init__()
         c = cfg.dec_width
-        self.grid, self.parts = cfg.dec_grid, cfg.parts
+        self.grid = cfg.dec_grid
         self.emb = nn.Sequential(nn.Linear(cfg.z_dim + 2, 256), nn.SiLU(), nn.Linear(256, 256), nn.SiLU())
-        self.inp = nn.Conv2d(21 + 18 * cfg.parts, c, 1)
-        if cfg.parts:  # where each part frame is, from z: the decoder may draw a rigid shape in its own coordinates
-            self.frame = nn.Linear(256, 4 * cfg.parts)
+        self.inp = nn.Conv2d(21, c, 1)
         self.zin = nn.Linear(256, c)
         self.blocks = nn.ModuleList([FiLMBlock(c, 256) for _ in range(cfg.dec_blocks)])
         self.up1 = nn.Conv2d(c, 4 * 48, 3, padding=1)
@@ -148,12 +132,7 @@ class Decoder(nn.Module):
 
     def forward(self, z, agent):
         e = self.emb(torch.cat([z, agent], 1))
-        maps = coord_maps(len(z), self.grid, agent)
-        if self.parts:
-            f = self.frame(e).float().view(len(z), self.parts, 4)
-            rot = F.normalize(f[..., 2:] + torch.tensor([1.0, 0.0], device=z.device), dim=-1)
-            maps = torch.cat([maps, part_maps(torch.cat([0.5 + 0.75 * torch.tanh(f[..., :2]), rot], -1), self.grid)], 1)
-        h = self.inp(maps.to(z.dtype)) + self.zin(e)[:, :, None, None]
+        h = self.inp(coord_maps(len(z), self.grid, agent).to(z.dtype)) + self.zin(e)[:, :, None, None]
         for b in self.blocks:
             h = b(h, e)
         h = self.r1(F.pixel_shuffle(self.up1(F.silu(h)), 2))

@@ -21,7 +21,9 @@ from iws_gym.models.compact import (STAGE1_KIND, STAGE2_KIND, CompactStage1, Com
 def main(run, dyn, proj, out):
     out = Path(out)
     ae = torch.load(Path(run) / "ae.pt")
-    cfg1 = CompactStage1Config(z_dim=ae["D"], parts=ae.get("parts", 0))
+    if ae.get("parts"):
+        raise SystemExit(f"{run}: a part-frame decoder (PARTS) has no release format")
+    cfg1 = CompactStage1Config(z_dim=ae["D"])
     s1 = CompactStage1(cfg1)
     s1.encoder.load_state_dict(ae["enc"])
     s1.decoder.load_state_dict(ae["dec"])
