@@ -33,6 +33,7 @@ from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
 
 LOST_PX = 20.0     # an episode is wrong if its block is ever this far from the truth
 MISSING_PX = 200.0  # the error counted when the frame shows no block at all
+SIGNAL_FLOOR = 1e-8  # the fit's floor for the peak signal (log of 0)
 
 
 def auroc(positive, score) -> float:
@@ -105,7 +106,8 @@ def fit(runs: dict, alpha: float) -> T.TrustCalibration:
     if lost.min() == lost.max():
         raise ValueError("trust fit: every fitting episode is on the same side of the 20 px line; use more episodes "
                          "or other behaviours")
-    a, b = fit_logistic(np.log(e["peak_signal"]), lost)
+    # a world that never moved (a gated model at rest) has a signal of exactly 0: floor it before the log
+    a, b = fit_logistic(np.log(np.maximum(e["peak_signal"], SIGNAL_FLOOR)), lost)
     if b <= 0:
         raise ValueError(f"trust fit: the signal does not rise with the error on the fitting episodes (slope {b:.3g})")
     return T.TrustCalibration(alpha=alpha, m_half=float(np.exp(-a / b)), slope=float(b), source="iws eval trust --fit")

@@ -193,7 +193,8 @@ if __name__ == "__main__":
         import iws_gym.models.world_model as W
         from iws_gym.evaluation import policy_eval as P
         W.WorldModel.from_pretrained = classmethod(
-            lambda cls, *a, settings=None, **k: wm.with_settings(reencode=settings.reencode, reencode_every=settings.reencode_every))
+            lambda cls, *a, settings=None, **k: wm if settings is None else
+            wm.with_settings(reencode=settings.reencode, reencode_every=settings.reencode_every))
 
         def stored_gt(task_name, name, states, horizon, seed, spec=None, threads=None):
             p = gt["per_policy"][name]
