@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from iws_gym.models import trust
 from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind
+from iws_gym.models.dynamics import agent_landing as _landing
 from iws_gym.models.hardware import autocast, default_dtype, resolve_device
 
 STAGE1_KIND, STAGE2_KIND = "compact_stage1", "compact_stage2"
@@ -151,9 +152,8 @@ class CompactStage1(nn.Module):
 
 
 def agent_landing(p: torch.Tensor, a: torch.Tensor, n_valid: torch.Tensor, law) -> torch.Tensor:
-    from iws_gym.models.dynamics import agent_landing as landing  # linear: the same in [0, 1] units as in px
-
-    return landing(p, a, n_valid, law)
+    """dynamics.agent_landing on positions in [0, 1] (the law is linear: the same in any units)."""
+    return _landing(p, a, n_valid, law)
 
 
 def pad_first(x: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
@@ -292,7 +292,7 @@ class CompactWorldModel:
             s2 = CompactStage2(cfg2)
             load_state_checked(s2, sd2, f2)
         if settings is None:  # the release's own rollout defaults (this design: no re-encoding)
-            settings = RolloutSettings(**metas.get("stage2", {}).get("rollout", {"reencode": False}))
+            settings = RolloutSettings(**release_rollout(path))
         return cls(s1, resolve_device(device), path, metas, dtype=dtype, stage2=s2, settings=settings)
 
     def with_settings(self, **changes) -> "CompactWorldModel":
@@ -420,6 +420,15 @@ class CompactWorldModel:
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None])[0])
         return np.stack(frames)
+
+
+def release_rollout(path) -> dict:
+    """A compact release's rollout defaults (RolloutSettings fields), read from its stage-2 metadata."""
+    from iws_gym.models.world_model import STAGE_FILES
+
+    f2 = Path(path) / STAGE_FILES["stage2"]
+    meta = load_release(f2, STAGE2_KIND, CompactStage2Config)[2] if f2.is_file() else {}
+    return meta.get("rollout", {"reencode": False})
 
 
 def is_compact_release(path) -> bool:

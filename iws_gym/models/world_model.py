@@ -275,10 +275,10 @@ class WorldModel:
 
 def release_reencodes(checkpoint) -> bool:
     """Whether a release re-encodes by default: the spatial design does; a compact release says in its metadata."""
-    from iws_gym.models.compact import is_compact_release
+    from iws_gym.models.compact import is_compact_release, release_rollout
 
-    if is_compact_release(checkpoint):
-        return WorldModel.from_pretrained(checkpoint, device="cpu", stages=("stage1", "stage2")).settings.reencode
+    if is_compact_release(checkpoint):  # its metadata only: no weights are loaded
+        return bool(release_rollout(checkpoint).get("reencode", RolloutSettings.reencode))
     return RolloutSettings.reencode
 
 
