@@ -135,6 +135,16 @@ def test_train_both_stages_release_and_step(tiny_dataset, tmp_path):
     env.reset(seed=0)
     obs, *_ = env.step(env.action_space.sample())
     assert env.observation_space.contains(obs)
+    # --finetune continues the released stage 2: its weights and normalisation, not a fresh network
+    from safetensors.torch import load_file
+
+    c2b = tmp_path / "c2b"
+    run_iws("train", "compact2", "--data", tiny_dataset, "--init", c1, "--out", c2b, "--finetune", rel, "--steps", 1,
+            "--batch", 8, "--horizon", 4, "--eval-every", 1, "--warmup", 1, "--lr", 1e-12)
+    before, after = load_file(rel / "stage2.safetensors"), load_file(c2b / "stage2.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k].float(), after[k].float(), atol=1e-6) for k in before)
+    assert json.loads((c2b / "train_result.json").read_text())["step"] == 1
 
 
 def test_compact2_needs_a_compact_stage1(tiny_dataset, tiny_stage1, tmp_path):

@@ -43,6 +43,8 @@ class Options:
     still_l1: float = arg(0.1, "weight of the gate's L1 pull on those windows")
     ctx_noise: float = arg(0.05, "noise on the real context, up to this many standard deviations of z")
     denoiser_weight: float = arg(1.0, "weight of the denoiser's loss (0 with --preset nodenoiser)")
+    finetune: str | None = arg(None, "continue this compact stage-2 release (its config and normalisation; "
+                                     "--preset is ignored); it must belong to the --init stage 1's latent")
     preset: str = arg("default", "model size: default | nodenoiser | tiny (tests)")
 
 
@@ -174,6 +176,16 @@ class Stage(StageBase):
         val = list(heldout_episodes(self.task, 16, 48, "validation"))  # never trained on
         self.val = Latents.encode(val, s1.encoder, device, a.amp)
         self.L, self.val = self.L.to(device), self.val.to(device)
+        if o.finetune:  # the release's weights, motion law and normalisation (the network was trained with them)
+            f2 = find_release(o.finetune, "stage2")
+            cfg, sd2, _ = load_release(f2, STAGE2_KIND, CompactStage2Config)
+            if cfg.z_dim != s1.cfg.z_dim:
+                raise ValueError(f"--finetune {f2} predicts z of {cfg.z_dim} dims, but the --init stage 1 {self.s1_file} "
+                                 f"encodes {s1.cfg.z_dim}")
+            self.config = cfg
+            self.model = Trainable(cfg, o)
+            load_state_checked(self.model, sd2, f2)
+            return
         cfg = CompactStage2Config(z_dim=s1.cfg.z_dim, agent_motion=tuple(float(c) for c in law), **PRESETS[o.preset])
         self.config = cfg
         self.model = Trainable(cfg, o)
@@ -221,6 +233,8 @@ class Stage(StageBase):
                      stage1=dict(file=str(self.s1_file), sha256_16=_sha(self.s1_file)), agent_motion_fit=self.law_fit,
                      commit=git_commit(), step=result["step"], eval=result["eval"], task=self.task.name,
                      rollout=dict(reencode=False))
+        if self.o.finetune:
+            extra.update(finetuned_from=str(self.o.finetune))
         save_release(Path(out) / "stage2.safetensors", ema.state_dict(), STAGE2_KIND, self.config, extra,
                      dtype=torch.float32)
 
