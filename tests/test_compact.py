@@ -180,3 +180,25 @@ def test_trust_is_the_denoisers_correction_and_free(compact, tmp_path):
     state = rest.start_frames(_frames(1), np.array([[200.0, 200.0]]))
     rest.step(state, torch.tensor([[200.0, 200.0]]))
     assert float(state["denoised"][0]) == 0.0 and float(state["trust"][0]) == 1.0
+
+
+def test_moving_windows_predict_the_motion():
+    """--moving-share 1 places every window so that a step where the scene moves is among its predicted steps,
+    never across two episodes; the default draws windows anywhere."""
+    from iws_gym.training.compact2 import Latents
+
+    lengths = [40, 30, 50]
+    z = torch.zeros(sum(lengths), 3)
+    z[70 + 20 :, 0] = 5.0  # the third episode's scene moves once, between its frames 19 and 20
+    z[:, 1] = torch.arange(len(z)) / 100  # another dim drifts slowly everywhere (0.03 of its sd a step)
+    z[:, 2] = 1.0  # and one never changes
+    L = Latents(z, torch.zeros(len(z), 2), torch.zeros(len(z), 2), lengths)
+    moving = L.moving_frames()
+    assert moving.tolist() == [89]
+    rng = np.random.default_rng(0)
+    K, H = 4, 8
+    idx, nv, _ = L.windows(rng, 256, K, H, moving=moving, moving_share=1.0)
+    targets = idx[:, K:]
+    assert bool((targets == 90).any(1).all()) and bool((idx >= 70).all())
+    idx, _, _ = L.windows(rng, 256, K, H)
+    assert not bool((idx[:, K:] == 90).any(1).all())
