@@ -201,8 +201,8 @@ class Stage(StageBase):
             f2 = find_release(o.finetune, "stage2")
             cfg, sd2, _ = load_release(f2, STAGE2_KIND, CompactStage2Config)
             if cfg.z_dim != s1.cfg.z_dim:
-                raise ValueError(f"--finetune {f2} predicts z of {cfg.z_dim} dims, but the --init stage 1 {self.s1_file} "
-                                 f"encodes {s1.cfg.z_dim}")
+                raise ValueError(f"--finetune {f2} predicts z of {cfg.z_dim} dims, but the --init stage 1 "
+                                 f"{self.s1_file} encodes {s1.cfg.z_dim}")
             self.config = cfg
             self.model = Trainable(cfg, o)
             load_state_checked(self.model, sd2, f2)
