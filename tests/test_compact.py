@@ -203,3 +203,17 @@ def test_moving_windows_predict_the_motion():
     assert bool((targets == 90).any(1).all()) and bool((idx >= 70).all())
     idx, _, _ = L.windows(rng, 256, K, H)
     assert not bool((idx[:, K:] == 90).any(1).all())
+
+
+def test_finetune_refuses_a_stage2_of_another_latent(tiny_dataset, compact, tmp_path):
+    from dataclasses import replace
+
+    from .conftest import run_iws
+
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = replace(TINY2, z_dim=6)
+    save_release(other / "stage2.safetensors", CompactStage2(cfg).state_dict(), STAGE2_KIND, cfg, dtype=torch.float32)
+    with pytest.raises(Exception, match="predicts z of 6 dims"):
+        run_iws("train", "compact2", "--data", tiny_dataset, "--init", compact, "--finetune", other,
+                "--out", tmp_path / "c2", "--steps", 1)
