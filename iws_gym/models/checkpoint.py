@@ -82,22 +82,29 @@ def _write_safetensors(path: Path, tensors: dict, meta: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _read_safetensors(path: Path) -> tuple[dict, dict]:
-    """-> (metadata strings, tensors as stored). Errors name the file."""
+def _read_safetensors(path: Path, tensors: bool = True) -> tuple[dict, dict]:
+    """-> (metadata strings, tensors as stored; none with tensors=False: the header alone is read). Errors name
+    the file."""
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable safetensors file, truncated or corrupt ({e})") from None
 
 
+def release_metadata(path: Path) -> dict:
+    """A release file's metadata (its kind, and the JSON entries decoded) without loading its weights."""
+    meta = _read_safetensors(Path(path), tensors=False)[0]
+    return {k: v if k == "kind" else json.loads(v) for k, v in meta.items()}
+
+
 def release_kind(path: Path) -> str | None:
     """The kind of model a release file holds ("stage1", "visuomotor", ...). Errors name the file."""
-    return _read_safetensors(Path(path))[0].get("kind")
+    return _read_safetensors(Path(path), tensors=False)[0].get("kind")
 
 
 def load_release(path: Path, kind: str, config_cls):

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from iws_gym.models import trust
-from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind
+from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind, release_metadata
 from iws_gym.models.dynamics import agent_landing as _landing
 from iws_gym.models.hardware import autocast, default_dtype, resolve_device
 
@@ -427,8 +427,7 @@ def release_rollout(path) -> dict:
     from iws_gym.models.world_model import STAGE_FILES
 
     f2 = Path(path) / STAGE_FILES["stage2"]
-    meta = load_release(f2, STAGE2_KIND, CompactStage2Config)[2] if f2.is_file() else {}
-    return meta.get("rollout", {"reencode": False})
+    return release_metadata(f2).get("rollout", {"reencode": False}) if f2.is_file() else {"reencode": False}
 
 
 def is_compact_release(path) -> bool:

@@ -133,6 +133,16 @@ def unroll(dyn, L: Latents, idx, nv, H, ctx_noise=0.0, at_rest=None):
     return torch.stack(preds, 1), L.z[idx[:, K : K + H]], torch.stack(gates, 1)
 
 
+def open_loop_error(dyn, L: Latents, rng, n: int, H: int):
+    """Mean squared open-loop error per step (H,), in units of z's variance, over n windows with a full real
+    context, and the windows' indices and targets."""
+    K = dyn.cfg.context
+    idx, nv, _ = L.windows(rng, n, K, H)
+    nv[:] = K
+    pred, tgt, _ = unroll(dyn, L, idx, nv, H)
+    return (((pred - tgt) / dyn.z_sd) ** 2).mean((0, 2)), idx, tgt
+
+
 class Trainable(CompactStage2):
     def __init__(self, cfg, o):
         super().__init__(cfg)
@@ -231,15 +241,9 @@ class Stage(StageBase):
         z in 100 steps (0 in gym-pusht); the denoiser's error left at sigma 0.05."""
         rng = np.random.default_rng(0)
         K, dyn = self.config.context, ema.dynamics
-        idx, nv, _ = self.val.windows(rng, 512, K, 32)
-        nv[:] = K
-        pred, tgt, _ = unroll(dyn, self.val, idx, nv, 32)
-        err = (((pred - tgt) / dyn.z_sd) ** 2).mean((0, 2))
+        err, idx, tgt = open_loop_error(dyn, self.val, rng, 512, 32)
         copy = (((self.val.z[idx[:, K - 1 : K]] - tgt) / dyn.z_sd) ** 2).mean((0, 2))
-        tidx, tnv, _ = self.L.windows(rng, 512, K, 32)
-        tnv[:] = K
-        tpred, ttgt, _ = unroll(dyn, self.L, tidx, tnv, 32)
-        train_err = (((tpred - ttgt) / dyn.z_sd) ** 2).mean((0, 2))
+        train_err = open_loop_error(dyn, self.L, rng, 512, 32)[0]
         rows = torch.as_tensor(rng.integers(0, len(self.val.z), 64), device=self.val.z.device)
         z = self.val.z[rows][:, None].repeat(1, K, 1)
         p = self.val.p[rows][:, None].repeat(1, K, 1)

@@ -25,17 +25,14 @@ from iws_gym.envs.registry import load_task
 from iws_gym.models.checkpoint import load_release, load_state_checked
 from iws_gym.models.compact import (STAGE1_KIND, STAGE2_KIND, CompactStage1, CompactStage1Config, CompactStage2,
                                     CompactStage2Config)
-from iws_gym.training.compact2 import Latents, unroll
+from iws_gym.training.compact2 import Latents, open_loop_error
 
 
-def errors(dyn, L, K, H=32, draws=4, n=256):
+def errors(dyn, L, H=32, draws=4, n=256):
     out = []
     for seed in range(draws):
-        idx, nv, _ = L.windows(np.random.default_rng(seed), n, K, H)
-        nv[:] = K
         with torch.no_grad():
-            pred, tgt, _ = unroll(dyn, L, idx, nv, H)
-        e = (((pred - tgt) / dyn.z_sd) ** 2).mean((0, 2))
+            e = open_loop_error(dyn, L, np.random.default_rng(seed), n, H)[0]
         out.append([e[0].item(), e[7].item(), e[H - 1].item()])
     m, se = np.mean(out, 0), np.std(out, 0) / np.sqrt(draws)
     return {f"@{h}": [round(float(a), 5), round(float(b), 5)] for h, a, b in zip((1, 8, H), m, se)}
@@ -64,7 +61,7 @@ def main():
         m = CompactStage2(cfg)
         load_state_checked(m, sd, f)
         m.eval()
-        rep["results"][f] = {k: errors(m.dynamics, L, cfg.context) for k, L in sets.items()}
+        rep["results"][f] = {k: errors(m.dynamics, L) for k, L in sets.items()}
         print(f, json.dumps(rep["results"][f]))
     Path(out).write_text(json.dumps(rep, indent=1))
 
