@@ -119,10 +119,12 @@ def _write_provenance(dest: Path, prov: dict) -> None:
              "Written by `iws release`; the JSON twin is `provenance.json`. Weights are bf16 safetensors whose",
              "metadata carries the model config, so `WorldModel.from_pretrained` needs nothing else.", ""]
     for name, p in prov.items():
-        lines += [f"## {name}", "", f"- file: `{p['file']}` ({p['size_mb']} MB)", f"- command: `{p['command']}`",
-                  f"- data: `{p['data']}`, collection seed {p['data_seed']}, {p['data_episodes']} episodes "
-                  f"(regenerate: `iws collect --task tpushing --episodes {p['data_episodes']} --out {p['data']} "
-                  f"--seed {p['data_seed']}`)",
+        data = (f"- data: `{p['data']}`, collection seed {p['data_seed']}, {p['data_episodes']} episodes "
+                f"(regenerate: `iws collect --task tpushing --episodes {p['data_episodes']} --out {p['data']} "
+                f"--seed {p['data_seed']}`)") if isinstance(p["data"], str) else (
+                f"- data: {len(p['data'])} collections, {p['data_episodes']} episodes: "
+                f"{', '.join(f'`{d}`' for d in p['data'])} (each one's `dataset.json` holds its seeds and mix)")
+        lines += [f"## {name}", "", f"- file: `{p['file']}` ({p['size_mb']} MB)", f"- command: `{p['command']}`", data,
                   f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
                   f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
                   f"- eval during training: `{json.dumps(p['train_eval'])}`"]
