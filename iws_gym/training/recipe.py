@@ -125,7 +125,7 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         t0 = time.time()
         meta = collect(task, r.episodes, data, seed=r.seed, steps=r.episode_steps, resume=data.is_dir(), workers=r.workers)
         note("collect", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"], episodes=r.episodes)
-    extra, extra2 = [], []  # stage 1's extra collections, and stage 2's
+    stage1_extra, stage2_extra = [], []  # the compact stages' --extra-data
     if r.design == "compact":  # competent pushes, fast random drives and jittery pushes: scenes play rarely shows
         for folder, mix, per_1000, offset, stage2_only in COMPACT_DATA:
             n, d = max(1, r.episodes * per_1000 // 1000), out / folder
@@ -136,9 +136,9 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
                                workers=r.workers)
                 note(f"collect_{folder.removeprefix('data_')}", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"],
                      episodes=n)
-            extra2.append(str(d))
+            stage2_extra.append(str(d))
             if not stage2_only:
-                extra.append(str(d))
+                stage1_extra.append(str(d))
 
     def minutes(share: float):
         if r.budget_minutes is None:
@@ -150,9 +150,9 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
     sc, csc = SCALES[r.scale], COMPACT_SCALES[r.scale]
     stages = [
         ("compact1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", csc["batch"], "--preset", csc["preset"],
-                                      "--extra-data", ",".join(extra)], 0.6),
+                                      "--extra-data", ",".join(stage1_extra)], 0.6),
         ("compact2", r.stage2_steps, ["--lr", r.stage2_lr, "--preset", csc["stage2_preset"], "--init", out / "compact1",
-                                      "--extra-data", ",".join(extra2)], 1.0),
+                                      "--extra-data", ",".join(stage2_extra)], 1.0),
     ] if r.design == "compact" else [
         ("stage1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", sc["stage1"]["batch"], "--preset", sc["stage1"]["preset"],
                                     "--crop", sc["stage1"]["crop"]], 0.4),
