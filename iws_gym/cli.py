@@ -107,7 +107,8 @@ def cmd_eval_stability(a):
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
                     seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=_reencode(a),
-                    reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps), a.json)
+                    reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps,
+                    drives=a.drives), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -420,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drives: uniform-random targets, held-out scripted play, hold (the agent commanded to stay "
                          "put: a still world must stay still)")
     es.add_argument("--seed", type=int, default=0)
+    es.add_argument("--drives", type=int, default=1,
+                    help="rollouts of each kind, stepped together, each from its own held-out start (and its own "
+                         "random targets or scripted episodes): the shares pool them, per_drive lists each")
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=None, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (default: the release's; the spatial "

@@ -91,3 +91,28 @@ def test_stability_command(tiny_checkpoint, tmp_path):
     assert proc.returncode == 2 and "--steps" in proc.stderr
     proc = run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--calib-episodes", 0, check=False)
     assert proc.returncode == 2 and "--calib-episodes" in proc.stderr
+
+
+def test_stability_drives_are_stepped_together_and_reported_each(tiny_checkpoint, tmp_path):
+    out = tmp_path / "stab.json"
+    run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 6, "--check-every", 3, "--drives", 3,
+            "--calib-episodes", 2, "--calib-steps", 20, "--json", out, "--actions", "random", "hold")
+    r = json.loads(out.read_text())
+    assert r["drives"] == 3
+    for roll in r["rollouts"].values():
+        assert roll["checks"] == 6 and len(roll["per_drive"]) == 3  # 2 checks x 3 drives, pooled
+        assert roll["t_whole_share"] == pytest.approx(np.mean([d["t_whole_share"] for d in roll["per_drive"]]))
+        assert all(d["first_failure_step"] == 3 for d in roll["per_drive"])  # an untrained model fails at once
+    proc = run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--drives", 0, check=False)
+    assert proc.returncode == 2 and "--drives" in proc.stderr
+
+
+def test_drives_get_their_own_actions():
+    from iws_gym.evaluation.stability import drive_actions
+
+    task = load_task("tpushing")
+    a = drive_actions("random", task, 5, 0, [None, None])
+    b = drive_actions("random", task, 5, 0, [None])
+    assert a.shape == (2, 5, 2) and np.array_equal(a[0], b[0]) and not np.array_equal(a[0], a[1])
+    h = drive_actions("hold", task, 4, 0, [(10, 20), (30, 40)])
+    assert h.shape == (2, 4, 2) and (h[1] == [30, 40]).all()

@@ -135,3 +135,17 @@ def test_suite_trust_compares_trusted_episodes_with_all():
     assert t["episode_mean_abs_gap_trusted"] == 0.0 and t["episode_mean_abs_gap_untrusted"] == pytest.approx(0.4)
     assert t["mean_abs_gap_all"] == pytest.approx((abs(1.0 / 3 - 1.4 / 3) + 0.2) / 2)
     assert t["mean_abs_gap_trusted"] == 0.0 and t["reduction"] == 1.0
+
+
+def test_report_states_the_ceiling_a_true_error_signal_would_reach():
+    from iws_gym.evaluation.trust import _figures
+
+    n = 8
+    block = np.array([1, 2, 3, 30, 40, 50, 60, 70], float)
+    gap = np.array([0.0, 0.01, 0.02, 0.03, 0.2, 0.1, 0.3, 0.4])  # a gap need not grow with the error
+    e = dict(behaviour=np.array(["a"] * 4 + ["b"] * 4), max_block_px=block, gap=gap,
+             trust_min=np.linspace(1, 0, n), step_trust=np.tile(np.linspace(1, 0, n)[:, None], 3),
+             step_block_px=np.tile(block[:, None], 3), step_agent_px=np.zeros((n, 3)))
+    r = _figures(e)
+    assert r["spearman_trust_gap"] == pytest.approx(r["spearman_true_error_gap"])  # trust ranks as the error does
+    assert -1 < r["spearman_true_error_gap"] < -0.5 and r["per_behaviour"]["a"]["spearman_true_error_gap"] < -0.9

@@ -379,13 +379,16 @@ def scorer_validation(task: TaskConfig, checkpoint: str | None, episodes: int = 
     wm = None
     if checkpoint is not None or WorldModel.has_stage(task.checkpoint_path, "stage2"):
         wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, stages=("stage1", "stage2"))
-    sources = ["ground_truth"] + (["model_one_step", "model_open_loop"] if wm else [])
+    # one-step predictions from real history need predict_teacher_forced, which the compact design does not have
+    one_step = wm is not None and hasattr(wm, "predict_teacher_forced")
+    sources = ["ground_truth"] + (["model_one_step"] if one_step else []) + (["model_open_loop"] if wm else [])
     rows = {s: dict(cov_true=[], agent_err=[], **{f"cov_{m}": [] for m in scorers}) for s in sources}
     t0 = time.time()
     for ep in tqdm(heldout_episodes(task, episodes, steps, "scorer", behaviour=behaviour), total=episodes, desc="scorer"):
         frames = {"ground_truth": ep["frames"][1:]}
         if wm:
-            frames["model_one_step"] = wm.predict_teacher_forced(ep["frames"], ep["actions"], agent_pos=ep["agent_pos"])
+            if one_step:
+                frames["model_one_step"] = wm.predict_teacher_forced(ep["frames"], ep["actions"], agent_pos=ep["agent_pos"])
             frames["model_open_loop"] = wm.rollout(ep["frames"][0], ep["actions"], agent_pos=ep["agent_pos"][:1])[1:]
         for s, fr in frames.items():
             r = rows[s]

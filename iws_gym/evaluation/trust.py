@@ -124,6 +124,7 @@ def _figures(e: dict) -> dict:
         per_beh[str(b)] = dict(episodes=int(m.sum()), lost=int(lost[m].sum()), trusted=int(ok[m].sum()),
                                auroc_lost=auroc(lost[m], -e["trust_min"][m]),
                                spearman_trust_gap=spearman(e["trust_min"][m], e["gap"][m]),
+                               spearman_true_error_gap=spearman(-e["max_block_px"][m], e["gap"][m]),
                                mean_trust_min=float(e["trust_min"][m].mean()))
     s_t, s_b = e["step_trust"].ravel(), e["step_block_px"].ravel()
     bins = [0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0001]
@@ -137,6 +138,9 @@ def _figures(e: dict) -> dict:
         episodes=int(len(lost)), lost_episodes=int(lost.sum()),
         auroc_lost=auroc(lost, -e["trust_min"]),
         spearman_trust_gap=spearman(e["trust_min"], e["gap"]),
+        # the same figure for a signal that knew each episode's true largest block error: how far any trust that
+        # tracks the world's error can go towards the coverage-gap target on these episodes
+        spearman_true_error_gap=spearman(-e["max_block_px"], e["gap"]),
         trusted_share=float(ok.mean()),
         lost_share_trusted=float(lost[ok].mean()) if ok.any() else None,
         lost_share_untrusted=float(lost[~ok].mean()) if (~ok).any() else None,

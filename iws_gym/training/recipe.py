@@ -39,10 +39,11 @@ COMPACT_SCALES = {  # the compact design: stage-1 batch and preset; its stage 2 
 # the compact design's extra collections: (folder, --mix, episodes per 1000 of --episodes, seed offset, stage 2
 # only). Stage 1 holds its frames in RAM (about 10 GB for the first four collections at the default 400); stage 2
 # trains on latents and also takes the "more" collections: more episodes, not more steps, lowered its held-out
-# error (docs/experiments.md, sixteenth session). Seeds stay apart for --episodes below 15,000.
+# error (docs/experiments.md, sixteenth session), and more expert pushes placed the pushed T better (seventeenth). Seeds stay apart for --episodes below 15,000.
 COMPACT_DATA = [("data_expert", "expert", 750, 200000, False), ("data_random", "random", 600, 300000, False),
                 ("data_jittery", "jittery", 300, 310000, False), ("data_play_more", "play", 6500, 100000, True),
-                ("data_random_more", "random", 1800, 400000, True), ("data_jittery_more", "jittery", 600, 500000, True)]
+                ("data_random_more", "random", 1800, 400000, True), ("data_jittery_more", "jittery", 600, 500000, True),
+                ("data_expert_more", "expert", 1750, 600000, True)]
 DEFAULTS = {  # per design: steps and peak learning rate of each stage
     "spatial": dict(episodes=600, stage1_steps=24000, stage2_steps=6000, stage1_lr=1e-3, stage2_lr=7e-4),
     "compact": dict(episodes=400, stage1_steps=24000, stage2_steps=20000, stage1_lr=5e-4, stage2_lr=1e-3),
@@ -57,7 +58,8 @@ class RecipeArgs:
     design: str = arg("spatial", "spatial (the shipped stages 1 and 2) | compact (models/compact.py)")
     episodes: int | None = arg(None, "episodes of scripted play to collect (default: spatial 600, compact 400, plus "
                                      "0.75x, 0.6x and 0.3x as many expert, random and jittery episodes; compact: "
-                                     "6.5x, 1.8x and 0.6x more play, random and jittery ones for stage 2)")
+                                     "6.5x, 1.8x, 0.6x and 1.75x more play, random, jittery and expert ones for "
+                                     "stage 2)")
     episode_steps: int | None = arg(None, "steps per episode (default: the task's)")
     seed: int = arg(0, "collection seed (episode i uses seed + i) and training seed")
     workers: int = arg(1, "collection processes (one per core)")

@@ -79,9 +79,15 @@ def block_fraction(frame: np.ndarray):
             best_a, best_r = np.where(take, a, best_a), np.where(take, r, best_r)
     a = np.clip(best_a, 0, 1)
     a[a < 0.1] = 0.0  # residual colour noise, not block
-    blue = (f[..., 2] - 0.5 * (f[..., 0] + f[..., 1])) > 70  # the block itself is bluish (~30)
-    valid = ~_dilate(blue, 1)
+    valid = ~agent_mask(f)
     return a * valid, valid.astype(np.float32)
+
+
+def agent_mask(frame: np.ndarray) -> np.ndarray:
+    """(H, W) bool: the blue agent and a one-pixel ring around it (its anti-aliased edge)."""
+    f = np.asarray(frame, np.float32)
+    blue = (f[..., 2] - 0.5 * (f[..., 0] + f[..., 1])) > 70  # the block itself is bluish (~30)
+    return _dilate(blue, 1)
 
 
 def _dilate(m: np.ndarray, r: int) -> np.ndarray:

@@ -16,7 +16,55 @@ from typing import Callable
 import numpy as np
 
 from iws_gym.tasks.pusht.groundtruth import GOAL_POSE, SUCCESS_THRESHOLD
-from iws_gym.tasks.pusht.pose import block_fraction, estimate, render_t
+from iws_gym.tasks.pusht.pose import BACKGROUNDS, agent_mask, estimate, render_t
+
+FILL_RGB = np.array([143.0, 163.0, 184.0])     # the block's fill, as gym-pusht draws it
+OUTLINE_RGB = np.array([119.0, 136.0, 153.0])  # its outline: a band about one frame pixel wide across the polygon's edge
+# coverage = the goal-weighted sum of FILL_W x fill fraction + OUTLINE_W x outline fraction per pixel: the outline
+# lies half outside the true polygon, and anti-aliasing blends the fill into it. Least squares of gym-pusht's
+# exact coverage on rendered frames (`fit_weights(calibration_frames(400, seed=1))`; a test refits on other frames)
+FILL_W, OUTLINE_W = 1.06, 0.45
+
+
+def block_parts(frame: np.ndarray) -> np.ndarray:
+    """(H, W, 2) fill and outline fractions of each pixel: least-squares unmixing against the background
+    (white, the goal, their blends, the walls) that explains the pixel best; 0 on and around the agent."""
+    f = frame.astype(np.float32)
+    best_x, best_r = None, None
+    for bg in BACKGROUNDS:
+        d = np.stack([FILL_RGB - bg, OUTLINE_RGB - bg], 1)  # (3, 2)
+        x = np.clip((f - bg) @ d @ np.linalg.inv(d.T @ d), 0, 1)
+        r = np.linalg.norm(f - (bg + x @ d.T), axis=-1)
+        if best_x is None:
+            best_x, best_r = x, r
+        else:
+            take = r < best_r
+            best_x, best_r = np.where(take[..., None], x, best_x), np.where(take, r, best_r)
+    return best_x * (~agent_mask(f))[..., None]
+
+
+def calibration_frames(n: int, seed: int, frame_size: int = 128):
+    """n gym-pusht frames of the block near the goal (offsets of 2-100 px and up to ~1.7 rad; the agent drawn
+    nearby) and their exact coverages: the range where success is decided, which scripted play rarely reaches."""
+    from iws_gym.tasks.pusht.groundtruth import coverage_of, make_env, render_states
+
+    env, rng, goal = make_env(frame_size), np.random.default_rng(seed), np.asarray(GOAL_POSE, float)
+    frames, cov = [], []
+    for _ in range(n):
+        scale = rng.choice([2.0, 5.0, 10.0, 30.0, 100.0])
+        pose = goal + np.array([rng.normal(0, scale), rng.normal(0, scale), rng.normal(0, scale / 60)])
+        agent = pose[:2] + rng.normal(0, 80, 2)
+        frames.append(render_states(agent[None], pose[None], frame_size, env)[0])
+        cov.append(coverage_of(pose))
+    return np.stack(frames), np.array(cov)
+
+
+def fit_weights(frames: np.ndarray, coverage: np.ndarray, frame_size: int = 128) -> tuple[float, float]:
+    """Least-squares FILL_W, OUTLINE_W of the pixel scorer on frames with known coverage."""
+    s = TPushCoverageScorer(frame_size=frame_size)
+    parts = np.array([s.parts(f) for f in frames])
+    w = np.linalg.lstsq(parts, coverage, rcond=None)[0]
+    return float(w[0]), float(w[1])
 
 
 @dataclass
@@ -36,7 +84,8 @@ class TPushCoverageScorer:
     """Push-T's reward from pixels: coverage of the goal T by the block, as gym-pusht defines it
     (reward = clip(coverage / 0.95, 0, 1), success = coverage > 0.95).
 
-    method="pixels" (default, ~1 ms): block fraction of each goal pixel, averaged over the goal.
+    method="pixels" (default, ~1 ms): the block's fill and outline fractions of each goal pixel, weighted
+    (FILL_W, OUTLINE_W) and averaged over the goal.
     method="pose": fit the T pose (pose.py) and intersect polygons exactly (~50 ms per frame)."""
 
     def __init__(self, method: str = "pixels", frame_size: int = 128):
@@ -52,8 +101,13 @@ class TPushCoverageScorer:
         if self.method == "pose":
             c = estimate(frame).coverage
             return 0.0 if np.isnan(c) else float(c)
-        a, _ = block_fraction(frame[self.box])  # per-pixel unmixing: the crop changes nothing (but a 1-px agent-mask edge)
-        return float(np.clip((np.clip(a, 0, 1) * self.goal[self.box]).sum() / self.goal_area, 0.0, 1.0))
+        fill, outline = self.parts(frame)
+        return float(np.clip(FILL_W * fill + OUTLINE_W * outline, 0.0, 1.0))
+
+    def parts(self, frame: np.ndarray) -> np.ndarray:
+        """The goal-weighted fill and outline fractions (2,), each a share of the goal's area."""
+        x = block_parts(frame[self.box])  # per-pixel unmixing: the crop changes nothing (but a 1-px agent-mask edge)
+        return (x * self.goal[self.box][..., None]).sum((0, 1)) / self.goal_area
 
     def __call__(self, frames: np.ndarray) -> list[Score]:
         out = []
