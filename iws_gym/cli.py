@@ -141,7 +141,7 @@ def cmd_eval_datagen(a):
     from iws_gym.evaluation.datagen import datagen
 
     _emit(datagen(_task(a.task), Path(a.real), Path(a.out), a.episodes, tuple(a.shares), a.train_steps, a.eval_episodes,
-                  a.horizon, a.checkpoint, a.device, Path(a.grid) if a.grid else None, a.preset), a.json)
+                  a.horizon, a.checkpoint, a.device, Path(a.grid) if a.grid else None, a.preset, a.batch), a.json)
 
 
 def cmd_eval_probe(a):
@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     edg.add_argument("--train-steps", type=int, default=12000, help="`iws train-policy` steps of each policy")
     edg.add_argument("--eval-episodes", type=int, default=100, help="held-out gym-pusht starts per policy")
     edg.add_argument("--horizon", type=int, default=300, help="steps per evaluation episode")
-    edg.add_argument("--preset", default="default", help="policy model preset (tiny: tests)")
+    edg.add_argument("--preset", default="default", help="policy model preset (pose: the shipped policy's; tiny: tests)")
+    edg.add_argument("--batch", type=int, default=64, help="`iws train-policy --batch` of each policy (1024 with --preset pose)")
     edg.add_argument("--checkpoint", default=None, help="the world model that generates (default: the shipped one)")
     edg.add_argument("--device", default="auto", help="auto | cpu | cuda: where the world model and the training run")
     edg.add_argument("--grid", default=None, help="PNG: real demonstrations above their generated twins")

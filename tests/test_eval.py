@@ -168,6 +168,7 @@ def test_fidelity_summary_counts_where_the_object_was_found():
     per_step, s = summarise(arr, T)
     assert s["block_px_found@32"] == 1 and s["block_px_found@64"] == 1 and s["agent_px_found@32"] == 4
     assert s["block_px_median@32"] == 32.0  # the one episode that still has it
+    assert s["block_px@32_per_episode"] == [32.0, None, None, None]  # which episodes lost it
     assert s["block_px_median_counting_lost@32"] is None and s["agent_px_median_counting_lost@32"] == 1.0
     arr["block_px"][1, 32] = 5.0  # 2 of 4 found at step 32: the median counting the lost ones is inf
     assert summarise(arr, T)[1]["block_px_median_counting_lost@32"] is None
@@ -216,6 +217,11 @@ def test_compare_pairs_episodes():
     assert 0 <= lo <= 0.375 <= hi <= 0.5  # paired: the interval of the difference is far tighter ...
     assert m["b_ci95"][1] - m["b_ci95"][0] > 5  # ... than either mean's
     assert compare_fidelity(b, a)["metrics"]["psnr"]["diff_b_minus_a"] == pytest.approx(-0.375)
+    a["summary"]["model"]["block_px@32_per_episode"] = [2.0, 9.0, None, 4.0]  # None: the block was lost
+    b["summary"]["model"]["block_px@32_per_episode"] = [1.0, 3.0, 5.0, 4.0]
+    m = compare_fidelity(a, b)["metrics"]["block_px@32"]
+    assert (m["b_closer"], m["b_farther"], m["a_lost"], m["b_lost"]) == (3, 0, 1, 0) and m["lower_is_better"]
+    assert m["a_median"] == 6.5 and m["b_median"] == 3.5 and m["sign_test_p"] == 0.25  # 3 of 3: 2 / 2**3
     with pytest.raises(ValueError, match="heldout_seeds"):
         compare_fidelity(a, _fake_report([1.0] * 4, seeds=(1008000, 1008003)))
     old = _fake_report([1.0] * 4)

@@ -26,6 +26,19 @@ def test_agent_touching_the_block_does_not_break_the_fit():
     assert abs(wrap_angle(est.block[2] - state[4])) < 0.1
 
 
+def test_unmix_recovers_colour_fractions_against_each_background():
+    """Pixels blended from known fractions of two colours over the backgrounds are read back exactly."""
+    from iws_gym.tasks.pusht.pose import BACKGROUNDS, unmix
+    from iws_gym.tasks.pusht.scorer import FILL_RGB, OUTLINE_RGB
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 0.5, (len(BACKGROUNDS), 2))  # fill, outline; together at most 1
+    pix = np.stack([bg + a * (FILL_RGB - bg) + b * (OUTLINE_RGB - bg) for bg, (a, b) in zip(BACKGROUNDS, x)])
+    np.testing.assert_allclose(unmix(pix[None].astype(np.float32), [FILL_RGB, OUTLINE_RGB])[0], x, atol=1e-3)
+    white = np.full((1, 1, 3), 255.0, np.float32)
+    assert unmix(white, [FILL_RGB])[0, 0, 0] == 0.0
+
+
 def test_no_block_visible():
     frame = np.full((128, 128, 3), 255, np.uint8)
     est = estimate(frame)

@@ -119,7 +119,7 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     real = tmp_path / "real"
     run_iws("collect", "--mix", "expert", "--episodes", 2, "--steps", 6, "--seed", 40, "--out", real)
     args = ("eval", "datagen", "--real", real, "--out", tmp_path / "dg", "--episodes", 2, "--train-steps", 2,
-            "--eval-episodes", 2, "--horizon", 3, "--preset", "tiny", "--checkpoint", tiny_checkpoint,
+            "--eval-episodes", 2, "--horizon", 3, "--preset", "tiny", "--batch", 3, "--checkpoint", tiny_checkpoint,
             "--grid", tmp_path / "grid.png", "--json", tmp_path / "dg.json")
     run_iws(*args)
     r = json.loads((tmp_path / "dg.json").read_text())
@@ -127,6 +127,8 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     assert r["policies"]["generated_50pct"]["data"].count(":") == 2 and r["policies"]["generated_0pct"]["episodes"] == 2
     assert r["generated"]["world_model"]["checkpoint"] == str(tiny_checkpoint) and (tmp_path / "grid.png").is_file()
     assert isinstance(r["target"]["met"], bool) and len(r["generated_over_real"]["mean_max_coverage_interval"]) == 3
+    trained = json.loads((tmp_path / "dg" / "generated_100pct" / "train_result.json").read_text())
+    assert r["batch"] == 3 and trained["args"]["batch"] == 3
     stamp = (tmp_path / "dg" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime
     again = run_iws(*args)
     assert "train policy" not in again.stderr  # nothing retrained

@@ -56,15 +56,15 @@ def ratio_interval(gen: np.ndarray, real: np.ndarray, n: int = 2000, seed: int =
 
 def datagen(task: TaskConfig, real: Path, out: Path, episodes: int = 100, shares=(0.0, 0.5, 1.0),
             train_steps: int = 12000, eval_episodes: int = 100, horizon: int = 300, checkpoint=None,
-            device: str = "auto", grid: Path | None = None, preset: str = "default") -> dict:
+            device: str = "auto", grid: Path | None = None, preset: str = "default", batch: int = 64) -> dict:
     from iws_gym.data.generate import generate
     from iws_gym.evaluation.policy_eval import evaluate_policy
     from iws_gym.training.train import STAGES, TrainArgs, run
 
     real, out = Path(real), Path(out)
-    if episodes < 2 or train_steps < 1 or eval_episodes < 2 or horizon < 1:
-        raise ValueError(f"--episodes and --eval-episodes must be >= 2, --train-steps and --horizon >= 1; got "
-                         f"{episodes}, {eval_episodes}, {train_steps}, {horizon}")
+    if episodes < 2 or train_steps < 1 or eval_episodes < 2 or horizon < 1 or batch < 1:
+        raise ValueError(f"--episodes and --eval-episodes must be >= 2, --train-steps, --horizon and --batch >= 1; got "
+                         f"{episodes}, {eval_episodes}, {train_steps}, {horizon}, {batch}")
     if any(not 0.0 <= s <= 1.0 for s in shares) or 0.0 not in shares or 1.0 not in shares:
         raise ValueError(f"--shares must lie in [0, 1] and include 0 and 1, got {list(shares)}")
     meta = load_meta(real)
@@ -90,9 +90,10 @@ def datagen(task: TaskConfig, real: Path, out: Path, episodes: int = 100, shares
         data = mix_spec(real, gen, episodes, share)
         if not (run_dir / "visuomotor.safetensors").is_file():
             a = TrainArgs(**{**vars(STAGES["policy"].defaults), "data": data, "out": str(run_dir), "steps": train_steps,
-                             "eval_every": max(1, train_steps // 4), "device": device})
+                             "batch": batch, "eval_every": max(1, train_steps // 4), "device": device})
             o = STAGES["policy"].Options(preset=preset)
-            run("policy", a, o, ["--data", data, "--out", str(run_dir), "--steps", train_steps, "--preset", preset])
+            run("policy", a, o, ["--data", data, "--out", str(run_dir), "--steps", train_steps, "--preset", preset,
+                                 "--batch", batch])
         ev_path = run_dir / f"eval_gym_pusht_{eval_episodes}x{horizon}.json"
         if not ev_path.is_file():
             ev = evaluate_policy(task, str(run_dir / "visuomotor.safetensors"), eval_episodes, horizon, learned=False)
@@ -108,7 +109,7 @@ def datagen(task: TaskConfig, real: Path, out: Path, episodes: int = 100, shares
                   success=gen_p["success_rate"] / real_p["success_rate"] if real_p["success_rate"] > 0 else None,
                   success_interval=ratio_interval((g > 0.95).astype(float), (r > 0.95).astype(float)))
     report = dict(task=task.name, real=str(real), real_seeds=meta.get("seeds"), episodes=episodes, train_steps=train_steps,
-                  preset=preset,
+                  preset=preset, batch=batch,
                   eval_episodes=eval_episodes, horizon=horizon, generated=dict(data=str(gen), policy=GENERATOR,
                   world_model=gen_meta.get("world_model"), success_rate_in_learned_world=gen_meta.get(
                       "success_rate_in_learned_world"), mean_length=gen_meta.get("mean_length")),

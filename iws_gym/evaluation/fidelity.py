@@ -219,6 +219,7 @@ def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
             if t <= horizon:
                 s[f"{k}_median@{t}"] = float(np.nanmedian(arr[k][:, t])) if found[:, t].any() else float("nan")
                 s[f"{k}_found@{t}"] = int(found[:, t].sum())
+                s[f"{k}@{t}_per_episode"] = [None if np.isnan(v) else float(v) for v in arr[k][:, t]]  # None: lost
                 # stricter: an episode that lost the object counts as the worst error (None: over half lost)
                 strict = float(np.median(np.where(found[:, t], arr[k][:, t], np.inf)))
                 s[f"{k}_median_counting_lost@{t}"] = strict if np.isfinite(strict) else None
@@ -264,7 +265,29 @@ def compare_fidelity(a: dict, b: dict, predictor: str = "model") -> dict:
         out["metrics"][k] = dict(a=float(va.mean()), b=float(vb.mean()), diff_b_minus_a=float(d.mean()),
                                  diff_ci95=bootstrap_ci(d), b_ahead_share=float((d > 0).mean()),
                                  a_ci95=sa.get(f"{k}_ci95") or bootstrap_ci(va), b_ci95=sb.get(f"{k}_ci95") or bootstrap_ci(vb))
+    for k in [k for k in sa if k.endswith("_per_episode") and "@" in k and k in sb]:  # pose errors at fixed steps
+        va, vb = (np.array([np.inf if v is None else v for v in s[k]], float) for s in (sa, sb))  # lost: the worst
+        closer, farther = int((vb < va).sum()), int((vb > va).sum())
+        out["metrics"][k.removesuffix("_per_episode")] = dict(
+            lower_is_better=True, a_median=_finite(np.median(va)), b_median=_finite(np.median(vb)),
+            a_lost=int(np.isinf(va).sum()), b_lost=int(np.isinf(vb).sum()), b_closer=closer, b_farther=farther,
+            sign_test_p=sign_test(closer, farther))
     return out
+
+
+def _finite(v: float) -> float | None:
+    return float(v) if np.isfinite(v) else None
+
+
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test (ties dropped): how often a fair coin splits at least this unevenly."""
+    from math import comb
+
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    return float(min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2 ** n))
 
 
 GRID_STEPS = (0, 4, 8, 16, 32, 64, 128, 192)

@@ -64,20 +64,27 @@ def agent_position(frame: np.ndarray) -> np.ndarray | None:
     return np.array([(xs * blue).sum() / w * s + s / 2, (ys * blue).sum() / w * s + s / 2])
 
 
+def unmix(frame: np.ndarray, colours) -> np.ndarray:
+    """(H, W, k) fractions in [0, 1] of k colours in each pixel: least squares against the background of
+    BACKGROUNDS that explains the pixel best (smallest residual)."""
+    f = np.asarray(frame, np.float32)
+    best_x, best_r = None, None
+    for bg in BACKGROUNDS:
+        d = np.stack([np.asarray(c, np.float32) - bg for c in colours], 1)  # (3, k)
+        x = np.clip((f - bg) @ d @ np.linalg.inv(d.T @ d), 0, 1)
+        r = np.linalg.norm(f - (bg + x @ d.T), axis=-1)
+        if best_x is None:
+            best_x, best_r = x, r
+        else:
+            take = r < best_r
+            best_x, best_r = np.where(take[..., None], x, best_x), np.where(take, r, best_r)
+    return best_x
+
+
 def block_fraction(frame: np.ndarray):
     """(H, W) block fraction in [0, 1] and (H, W) validity weights (0 on and around the agent)."""
     f = frame.astype(np.float32)
-    best_a, best_r = None, None
-    for bg in BACKGROUNDS:
-        d = BLOCK_RGB - bg
-        a = ((f - bg) @ d) / (d @ d)
-        r = np.linalg.norm(f - (bg + np.clip(a, 0, 1)[..., None] * d), axis=-1)
-        if best_a is None:
-            best_a, best_r = a, r
-        else:
-            take = r < best_r
-            best_a, best_r = np.where(take, a, best_a), np.where(take, r, best_r)
-    a = np.clip(best_a, 0, 1)
+    a = unmix(f, [BLOCK_RGB])[..., 0]
     a[a < 0.1] = 0.0  # residual colour noise, not block
     valid = ~agent_mask(f)
     return a * valid, valid.astype(np.float32)

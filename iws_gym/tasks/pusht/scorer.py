@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from iws_gym.tasks.pusht.groundtruth import GOAL_POSE, SUCCESS_THRESHOLD
-from iws_gym.tasks.pusht.pose import BACKGROUNDS, agent_mask, estimate, render_t
+from iws_gym.tasks.pusht.pose import agent_mask, estimate, render_t, unmix
 
 FILL_RGB = np.array([143.0, 163.0, 184.0])     # the block's fill, as gym-pusht draws it
 OUTLINE_RGB = np.array([119.0, 136.0, 153.0])  # its outline: a band about one frame pixel wide across the polygon's edge
@@ -29,18 +29,7 @@ FILL_W, OUTLINE_W = 1.06, 0.45
 def block_parts(frame: np.ndarray) -> np.ndarray:
     """(H, W, 2) fill and outline fractions of each pixel: least-squares unmixing against the background
     (white, the goal, their blends, the walls) that explains the pixel best; 0 on and around the agent."""
-    f = frame.astype(np.float32)
-    best_x, best_r = None, None
-    for bg in BACKGROUNDS:
-        d = np.stack([FILL_RGB - bg, OUTLINE_RGB - bg], 1)  # (3, 2)
-        x = np.clip((f - bg) @ d @ np.linalg.inv(d.T @ d), 0, 1)
-        r = np.linalg.norm(f - (bg + x @ d.T), axis=-1)
-        if best_x is None:
-            best_x, best_r = x, r
-        else:
-            take = r < best_r
-            best_x, best_r = np.where(take[..., None], x, best_x), np.where(take, r, best_r)
-    return best_x * (~agent_mask(f))[..., None]
+    return unmix(frame, [FILL_RGB, OUTLINE_RGB]) * (~agent_mask(frame))[..., None]
 
 
 def calibration_frames(n: int, seed: int, frame_size: int = 128):
