@@ -203,9 +203,6 @@ def test_moving_windows_predict_the_motion():
     assert bool((targets == 90).any(1).all()) and bool((idx >= 70).all())
     idx, _, _ = L.windows(rng, 256, K, H)
     assert not bool((idx[:, K:] == 90).any(1).all())
-    idx, nv, _ = L.windows(rng, 256, K, H, start_share=1.0)  # every window begins as an episode does after reset
-    assert bool((nv == 1).all()) and set(idx[:, 0].tolist()) <= {0, 40, 70}
-    assert bool((idx[:, :K] == idx[:, :1]).all()) and bool((idx[:, K] == idx[:, 0] + 1).all())
 
 
 def test_finetune_refuses_a_stage2_of_another_latent(tiny_dataset, compact, tmp_path):

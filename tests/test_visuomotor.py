@@ -127,12 +127,16 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     assert r["policies"]["generated_50pct"]["data"].count(":") == 2 and r["policies"]["generated_0pct"]["episodes"] == 2
     assert r["generated"]["world_model"]["checkpoint"] == str(tiny_checkpoint) and (tmp_path / "grid.png").is_file()
     assert isinstance(r["target"]["met"], bool) and len(r["generated_over_real"]["mean_max_coverage_interval"]) == 3
-    trained = json.loads((tmp_path / "dg" / "generated_100pct" / "train_result.json").read_text())
+    trained = json.loads((tmp_path / "dg" / "2ep" / "generated_100pct" / "train_result.json").read_text())
     assert r["batch"] == 3 and trained["args"]["batch"] == 3
-    stamp = (tmp_path / "dg" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime
+    stamp = (tmp_path / "dg" / "2ep" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime
     again = run_iws(*args)
     assert "train policy" not in again.stderr  # nothing retrained
-    assert (tmp_path / "dg" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime == stamp
+    assert (tmp_path / "dg" / "2ep" / "generated_50pct" / "visuomotor.safetensors").stat().st_mtime == stamp
+    other = list(args)
+    other[other.index("--train-steps") + 1] = 3  # other settings never reuse policies trained with these
+    proc = run_iws(*other, check=False)
+    assert proc.returncode != 0 and "use another --out" in proc.stderr
 
 
 def test_intervention_episodes_hand_over_to_the_expert_and_only_its_steps_are_imitated(policy_run, tmp_path):

@@ -45,8 +45,6 @@ class Options:
     denoiser_weight: float = arg(1.0, "weight of the denoiser's loss (0 with --preset nodenoiser)")
     moving_share: float = arg(0.0, "share of windows placed where the scene (not only the agent) moves: z changes "
                                    "by more than 0.1 of its standard deviation in a predicted step")
-    start_share: float = arg(0.0, "share of windows that begin as an episode does after reset: its first frame as the "
-                                  "only context (gym-pusht can start with the agent inside the block, which then jumps)")
     finetune: str | None = arg(None, "continue this compact stage-2 release (its config and normalisation; "
                                      "--preset is ignored); it must belong to the --init stage 1's latent")
     preset: str = arg("default", "model size: default | nodenoiser | tiny (tests)")
@@ -92,27 +90,24 @@ class Latents:
         last[[e - 1 for _, e in self.spans if e - 1 < len(last)]] = True  # no step across episodes
         return np.flatnonzero((dz > threshold) & ~last)
 
-    def windows(self, rng, batch, K, H, still=0.0, moving=None, moving_share=0.0, start_share=0.0):
+    def windows(self, rng, batch, K, H, still=0.0, moving=None, moving_share=0.0):
         """Index windows (B, K+H) into the flat arrays with 1..K valid context slots (half of them K; padded
         slots repeat the first valid one), n_valid (B,), and which rows show a world at rest (B,). A share
         `moving_share` of the windows is placed around a frame drawn from `moving` (see moving_frames), so that
-        the motion falls in its predicted steps; a share `start_share` begins as an episode does after reset
-        (its first frame, one valid slot); the rest start anywhere."""
+        the motion falls in its predicted steps; the rest start anywhere."""
         eps = rng.integers(0, len(self.spans), batch)
         nv = rng.integers(1, K + 1, batch)
         nv[rng.random(batch) < 0.5] = K
         around = rng.random(batch) < moving_share if moving is not None and len(moving) else np.zeros(batch, bool)
-        at_start = ~around & (rng.random(batch) < start_share)
-        nv[at_start] = 1
         starts = np.array([b for b, _ in self.spans])
         rows = []
-        for e, n, m, s in zip(eps, nv, around, at_start):
+        for e, n, m in zip(eps, nv, around):
             if m:
                 t = int(moving[rng.integers(len(moving))])
                 e = int(np.searchsorted(starts, t, side="right") - 1)
             b, end = self.spans[e]
             hi = max(b + 1, end - H - n + 1)
-            t0 = int(np.clip(t - n + 1 - rng.integers(0, H), b, hi - 1)) if m else b if s else rng.integers(b, hi)
+            t0 = int(np.clip(t - n + 1 - rng.integers(0, H), b, hi - 1)) if m else rng.integers(b, hi)
             rows.append(np.r_[np.full(K - n, t0), np.arange(t0, t0 + n + H)].clip(max=end - 1))
         idx = torch.as_tensor(np.stack(rows))
         at_rest = torch.as_tensor(rng.random(batch) < still)
@@ -186,9 +181,9 @@ class Stage(StageBase):
         super().__init__(a, o, device)
         if o.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {o.preset!r}")
-        if o.horizon < 2 or not 0 <= o.still < 1 or not 0 <= o.moving_share <= 1 or not 0 <= o.start_share <= 1:
-            raise ValueError(f"--horizon must be >= 2, --still in [0, 1), --moving-share and --start-share in [0, 1], "
-                             f"got {o.horizon}, {o.still}, {o.moving_share} and {o.start_share}")
+        if o.horizon < 2 or not 0 <= o.still < 1 or not 0 <= o.moving_share <= 1:
+            raise ValueError(f"--horizon must be >= 2, --still in [0, 1) and --moving-share in [0, 1], got "
+                             f"{o.horizon}, {o.still} and {o.moving_share}")
         self.s1_file = find_release(o.init, "stage1")
         cfg1, sd1, _ = load_release(self.s1_file, STAGE1_KIND, CompactStage1Config)
         s1 = CompactStage1(cfg1)
@@ -237,7 +232,7 @@ class Stage(StageBase):
         H = self.o.horizon
         hh = int(rng.choice([2, H // 2, H]))
         idx, nv, at_rest = self.L.windows(rng, batch, self.config.context, hh, self.o.still, self.moving,
-                                          self.o.moving_share, self.o.start_share)
+                                          self.o.moving_share)
         return idx, nv, at_rest, hh, self.L
 
     def evaluate(self, ema) -> dict:
