@@ -44,9 +44,10 @@ COMPACT_DATA = [("data_expert", "expert", 750, 200000, False), ("data_random", "
                 ("data_jittery", "jittery", 300, 310000, False), ("data_play_more", "play", 6500, 100000, True),
                 ("data_random_more", "random", 1800, 400000, True), ("data_jittery_more", "jittery", 600, 500000, True),
                 ("data_expert_more", "expert", 1750, 600000, True)]
-DEFAULTS = {  # per design: steps and peak learning rate of each stage
+DEFAULTS = {  # per design: steps and peak learning rate of each stage (compact stage 2: its candidates' dynamics
+    # trained 43,000 steps over three runs, checkpoints/candidates/compact_v3/provenance.json)
     "spatial": dict(episodes=600, stage1_steps=24000, stage2_steps=6000, stage1_lr=1e-3, stage2_lr=7e-4),
-    "compact": dict(episodes=400, stage1_steps=24000, stage2_steps=20000, stage1_lr=5e-4, stage2_lr=1e-3),
+    "compact": dict(episodes=400, stage1_steps=24000, stage2_steps=40000, stage1_lr=5e-4, stage2_lr=1e-3),
 }
 
 
@@ -64,7 +65,7 @@ class RecipeArgs:
     seed: int = arg(0, "collection seed (episode i uses seed + i) and training seed")
     workers: int = arg(1, "collection processes (one per core)")
     stage1_steps: int | None = arg(None, "stage-1 optimizer steps (default: 24000)")
-    stage2_steps: int | None = arg(None, "stage-2 optimizer steps (default: spatial 6000, compact 20000)")
+    stage2_steps: int | None = arg(None, "stage-2 optimizer steps (default: spatial 6000, compact 40000)")
     stage1_lr: float | None = arg(None, "stage-1 peak learning rate (default: spatial 1e-3, compact 5e-4)")
     stage2_lr: float | None = arg(None, "stage-2 peak learning rate (default: spatial 7e-4, compact 1e-3)")
     objective: str = arg("consistency", "stage-2 objective: consistency | denoise (see iws train stage2 --help)")
