@@ -11,6 +11,9 @@ if "IWS-TPushing-v0" not in registry:
     register(id="IWS-TPushing-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
              vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=300,
              kwargs={"task": "tpushing"})
+if "iws_gym/PileSweepPymunk-v0" not in registry:  # the ground truth of pile sweeping (tasks/pilesweep)
+    register(id="iws_gym/PileSweepPymunk-v0", entry_point="iws_gym.tasks.pilesweep.groundtruth:PileSweepEnv",
+             max_episode_steps=400, kwargs={"obs_type": "state"})
 
 
 def __getattr__(name):  # lazy exports keep `import iws_gym` light

@@ -6,7 +6,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import iws_gym  # noqa: F401  (registers IWS-TPushing-v0)
-from iws_gym.tasks.pusht.scorer import ProbabilityScorer, TPushCoverageScorer
+from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
+from iws_gym.tasks.scoring import ProbabilityScorer
 
 
 @pytest.fixture

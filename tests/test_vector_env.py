@@ -4,7 +4,7 @@ import pytest
 from gymnasium.vector import AutoresetMode
 
 import iws_gym  # noqa: F401
-from iws_gym.tasks.pusht.scorer import ProbabilityScorer
+from iws_gym.tasks.scoring import ProbabilityScorer
 
 
 def make(ck, n=3, **kw):

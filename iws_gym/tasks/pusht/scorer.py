@@ -1,21 +1,13 @@
-"""Success scorers: reward and success read from predicted frames (a learned world has no hidden state).
-
-Protocol: a scorer is any callable `scorer(frames) -> list[Score]` taking a batch of (N, H, W, 3) uint8
-RGB frames (the raw 128x128 model frames, before any observation resize). The env calls it once per
-step with one frame per env, so a scorer may batch its work (a VLM or a learned reward model). Each
-Score carries `reward`, `is_success` and a dict `info` merged into the step info.
+"""Push-T's success scorer: coverage of the goal T read from predicted frames (the protocol: tasks/scoring.py).
 
     env = gym.make("IWS-TPushing-v0", scorer=TPushCoverageScorer(method="pose"))
-    env = gym.make("IWS-TPushing-v0", scorer=ProbabilityScorer(my_success_prob_fn, threshold=0.5))
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from iws_gym.tasks.pusht.groundtruth import GOAL_POSE, SUCCESS_THRESHOLD
+from iws_gym.tasks.scoring import ProbabilityScorer, Score  # noqa: F401  (the protocol; re-exported)
 from iws_gym.tasks.pusht.pose import agent_mask, estimate, render_t, unmix
 
 FILL_RGB = np.array([143.0, 163.0, 184.0])     # the block's fill, as gym-pusht draws it
@@ -54,13 +46,6 @@ def fit_weights(frames: np.ndarray, coverage: np.ndarray, frame_size: int = 128)
     parts = np.array([s.parts(f) for f in frames])
     w = np.linalg.lstsq(parts, coverage, rcond=None)[0]
     return float(w[0]), float(w[1])
-
-
-@dataclass
-class Score:
-    reward: float
-    is_success: bool
-    info: dict = field(default_factory=dict)
 
 
 def goal_mask(frame_size: int = 128) -> np.ndarray:
@@ -104,18 +89,3 @@ class TPushCoverageScorer:
             c = self.coverage(f)
             out.append(Score(float(np.clip(c / SUCCESS_THRESHOLD, 0, 1)), bool(c > SUCCESS_THRESHOLD), {"coverage": c}))
         return out
-
-
-class ProbabilityScorer:
-    """Adapter for VLM-style or learned-reward scorers: wraps any `fn(frames) -> success probabilities`
-    (for example a call into your own vision-language model); nothing is downloaded here.
-    reward = probability; success = probability > threshold."""
-
-    def __init__(self, fn: Callable[[np.ndarray], np.ndarray], threshold: float = 0.5):
-        self.fn, self.threshold = fn, threshold
-
-    def __call__(self, frames: np.ndarray) -> list[Score]:
-        p = np.asarray(self.fn(frames), dtype=np.float64).reshape(-1)
-        if len(p) != len(frames):
-            raise ValueError(f"scorer function returned {len(p)} probabilities for {len(frames)} frames")
-        return [Score(float(x), bool(x > self.threshold), {"success_prob": float(x)}) for x in p]
