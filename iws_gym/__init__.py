@@ -11,6 +11,10 @@ if "IWS-TPushing-v0" not in registry:
     register(id="IWS-TPushing-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
              vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=300,
              kwargs={"task": "tpushing"})
+if "IWS-PileSweeping-v0" not in registry:  # needs weights: checkpoint=DIR until checkpoints/pilesweeping ships
+    register(id="IWS-PileSweeping-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
+             vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=400,
+             kwargs={"task": "pilesweeping"})
 if "iws_gym/PileSweepPymunk-v0" not in registry:  # the ground truth of pile sweeping (tasks/pilesweep)
     register(id="iws_gym/PileSweepPymunk-v0", entry_point="iws_gym.tasks.pilesweep.groundtruth:PileSweepEnv",
              max_episode_steps=400, kwargs={"obs_type": "state"})

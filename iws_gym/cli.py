@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("collect", help="record scripted play in the ground-truth simulator")
-    c.add_argument("--task", default="tpushing", help="task config name (envs/<task>.toml)")
+    c.add_argument("--task", default="tpushing", help="task config name (envs/configs/<task>.toml): tpushing | pilesweeping")
     c.add_argument("--episodes", type=int, required=True, help="number of episodes (> 0)")
     c.add_argument("--out", required=True, help="new or empty output directory")
     c.add_argument("--seed", type=int, default=0, help="episode i uses seed S+i (must stay below the held-out range)")
@@ -265,11 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
     c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
     c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention"],
-                   help="play: the default behaviour mix; jittery: whole episodes of pushing with random jumps; "
+                   help="play: the task's default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive); "
-                        "expert: demonstrations of the planning expert, each ending at success; intervention: --policy "
+                        "expert: demonstrations of the task's demonstrator (tpushing: the planning expert; pilesweeping: "
+                        "the scripted sweeper), each ending at success; intervention: --policy "
                         "acts for 10-199 steps, then the expert takes over (DAgger-style corrections; the learner's "
-                        "steps are stored as segment 'learner' and never imitated)")
+                        "steps are stored as segment 'learner' and never imitated). pilesweeping takes play, random, expert")
     c.add_argument("--policy", default=None, help="--mix intervention: the learner, MODULE:CALLABLE or a policy's .safetensors")
     c.set_defaults(fn=cmd_collect)
 

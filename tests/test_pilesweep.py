@@ -142,3 +142,63 @@ def test_sweeper_sweeps_and_play_mixes():
         assert sum(n for _, _, n in plan) == 200
         names |= {name for name, _, _ in plan}
     assert names == {m[0] for m in SEGMENT_MIX}
+
+
+def test_collect_pile_sweeping_through_the_cli(tmp_path):
+    """`iws collect --task pilesweeping`: the same command and format as T pushing, with the pieces recorded."""
+    from iws_gym.data.episodes import DatasetError, list_episodes, read_episode
+    from tests.conftest import run_iws
+
+    out = tmp_path / "ps"
+    run_iws("collect", "--task", "pilesweeping", "--episodes", 2, "--steps", 12, "--out", out, "--seed", 3)
+    eps = list_episodes(out)
+    assert len(eps) == 2
+    ep = read_episode(eps[1])
+    assert ep["frames"].shape == (13, 128, 128, 3) and ep["pieces"].shape == (13, N_PIECES, 2)
+    assert ep["attrs"]["task"] == "pilesweeping" and ep["attrs"]["seed"] == 4
+    np.testing.assert_allclose(ep["coverage"], [coverage_of(p) for p in ep["pieces"]], atol=1e-6)
+    with pytest.raises(DatasetError, match="no array 'block_pose'"):
+        read_episode(eps[0], keys=("frames", "block_pose"))
+    bad = run_iws("collect", "--task", "pilesweeping", "--episodes", 1, "--mix", "jittery", "--out", tmp_path / "j", check=False)
+    assert bad.returncode != 0 and "for pilesweeping" in bad.stderr and not (tmp_path / "j").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_pile_release(tmp_path_factory):
+    """The one recipe, unchanged, on pile sweeping at toy scale: collection, both compact stages, the release."""
+    from tests.conftest import run_iws
+
+    out = tmp_path_factory.mktemp("pile") / "recipe"
+    run_iws("train", "recipe", "--task", "pilesweeping", "--out", out, "--design", "compact", "--scale", "tiny",
+            "--episodes", 3, "--episode-steps", 16, "--stage1-steps", 4, "--stage2-steps", 4, "--eval-every", 4)
+    return out / "release"
+
+
+def test_learned_pile_sweeping_env(tiny_pile_release):
+    """gym.make("IWS-PileSweeping-v0") and its vector env run a release the recipe made with no model change;
+    reset_to_state takes the pile's state vector and names it when wrong."""
+    import json
+
+    from gymnasium.utils.env_checker import check_env
+
+    import iws_gym  # noqa: F401
+
+    recipe = json.loads((tiny_pile_release.parent / "recipe.json").read_text())
+    assert "collect_jittery" not in recipe["steps"] and recipe["steps"]["compact2"]["finished"]
+    env = gym.make("IWS-PileSweeping-v0", checkpoint=tiny_pile_release, device="cpu")
+    assert env.spec.max_episode_steps == 400
+    check_env(env.unwrapped, skip_render_check=True)
+    gt = make_env()
+    gt.reset(seed=9)
+    state = gt.get_state()
+    obs, _ = env.reset(options={"reset_to_state": state})
+    np.testing.assert_allclose(obs["agent_pos"], state[:2])
+    obs, reward, terminated, truncated, info = env.step(np.array([100.0, 100.0]))
+    assert 0.0 <= info["coverage"] <= 1.0 and "pieces" in info and reward == pytest.approx(min(1.0, info["coverage"] / 0.9))
+    with pytest.raises(ValueError, match=f"must be {2 + 2 * N_PIECES} finite numbers"):
+        env.reset(options={"reset_to_state": np.zeros(5)})
+    vec = gym.make_vec("IWS-PileSweeping-v0", num_envs=2, vectorization_mode="vector_entry_point",
+                       checkpoint=tiny_pile_release, device="cpu")
+    vec.reset(seed=1)
+    obs, reward, *_ = vec.step(np.array([[100.0, 100.0], [300.0, 300.0]]))
+    assert obs["pixels"].shape == (2, 128, 128, 3) and reward.shape == (2,)

@@ -12,11 +12,13 @@ Each episode file holds T steps and T+1 observations:
     frames       (T+1, H, W, 3) uint8   RGB, chunks of 16 frames, lzf-compressed
     actions      (T, 2)      float32    absolute agent target in the 512 canvas; actions[t] leads frames[t] -> frames[t+1]
     agent_pos    (T+1, 2)    float32    agent position in the 512 canvas
-    block_pose   (T+1, 3)    float32    true (x, y, angle): for evaluation only, models never read it
-    coverage     (T+1,)      float32    true goal coverage: for evaluation only
-    n_contacts   (T,)        int16      contact points per step (gym-pusht's info["n_contacts"])
+    coverage     (T+1,)      float32    true task score (goal coverage): for evaluation only
     segments     (T,)        int8       index into attrs["segment_names"]: which behaviour produced the step
     attrs: seed, task, steps, segment_names, format_version
+and the task's true state, for evaluation only (models never read it; each task package names its arrays):
+    block_pose   (T+1, 3)    float32    T pushing: the block's (x, y, angle)
+    n_contacts   (T,)        int16      T pushing: contact points per step (gym-pusht's info["n_contacts"])
+    pieces       (T+1, N, 2) float32    pile sweeping: every piece's centre
 
 An interrupted collection leaves finished episodes intact and at most a `*.h5.tmp` file, which readers
 ignore and the next collection into the same directory may delete.
@@ -32,14 +34,16 @@ import h5py
 import numpy as np
 
 FORMAT_VERSION = 1
-ARRAYS = {  # name: (dtype, trailing shape or None for frames, length offset relative to T)
+COMMON = ("frames", "actions", "agent_pos", "coverage", "segments")  # every episode has these
+ARRAYS = {  # name: (dtype, trailing shape or None where it varies, length offset relative to T)
     "frames": (np.uint8, None, 1),
     "actions": (np.float32, (2,), 0),
     "agent_pos": (np.float32, (2,), 1),
-    "block_pose": (np.float32, (3,), 1),
     "coverage": (np.float32, (), 1),
-    "n_contacts": (np.int16, (), 0),
     "segments": (np.int8, (), 0),
+    "block_pose": (np.float32, (3,), 1),
+    "n_contacts": (np.int16, (), 0),
+    "pieces": (np.float32, None, 1),
 }
 
 
@@ -52,17 +56,22 @@ def episode_path(root: Path, index: int) -> Path:
 
 
 def write_episode(path: Path, ep: dict, attrs: dict) -> None:
-    """Write one episode atomically: to `path.tmp`, flushed and fsynced, then renamed over `path`."""
+    """Write one episode atomically: to `path.tmp`, flushed and fsynced, then renamed over `path`. Writes
+    the arrays of ARRAYS that `ep` holds; those of COMMON are required."""
     path = Path(path)
+    missing = [k for k in COMMON if k not in ep]
+    if missing:
+        raise ValueError(f"episode lacks the arrays {missing}")
     T = len(ep["actions"])
-    for name, (dtype, shape, off) in ARRAYS.items():
+    names = [k for k in ARRAYS if k in ep]
+    for name in names:
         arr = np.asarray(ep[name])
-        if len(arr) != T + off:
-            raise ValueError(f"episode array {name!r} has length {len(arr)}, expected {T + off}")
+        if len(arr) != T + ARRAYS[name][2]:
+            raise ValueError(f"episode array {name!r} has length {len(arr)}, expected {T + ARRAYS[name][2]}")
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
-        for name, (dtype, shape, off) in ARRAYS.items():
-            arr = np.asarray(ep[name], dtype=dtype)
+        for name in names:
+            arr = np.asarray(ep[name], dtype=ARRAYS[name][0])
             if name == "frames":
                 f.create_dataset(name, data=arr, chunks=(min(16, len(arr)),) + arr.shape[1:], compression="lzf")
             else:
@@ -76,13 +85,18 @@ def write_episode(path: Path, ep: dict, attrs: dict) -> None:
 
 
 def read_episode(path: Path, keys=None) -> dict:
-    """Read an episode file fully into memory, validating it. Raises DatasetError naming the file."""
+    """Read an episode file fully into memory, validating it (all the arrays it holds when `keys` is None).
+    Raises DatasetError naming the file."""
     path = Path(path)
-    keys = list(ARRAYS) if keys is None else list(keys)
     try:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format_version") != FORMAT_VERSION:
                 raise DatasetError(f"{path}: format_version {f.attrs.get('format_version')!r}, expected {FORMAT_VERSION}")
+            keys = [k for k in ARRAYS if k in f] if keys is None else list(keys)
+            absent = [k for k in keys if k not in f]
+            if absent:
+                raise DatasetError(f"{path}: no array {', '.join(map(repr, absent))} in this {f.attrs.get('task', '?')} episode "
+                                   f"(it holds {', '.join(f.keys())})")
             T = int(f.attrs["steps"])
             out = {k: f[k][()] for k in keys}
             out["attrs"] = dict(f.attrs)

@@ -62,7 +62,6 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
-from iws_gym.tasks.pusht.groundtruth import render_state
 from iws_gym.models.hardware import DTYPES
 from iws_gym.tasks.pusht.pose import agent_position
 from iws_gym.data.splits import SPLITS, START_BANK
@@ -153,9 +152,10 @@ def start_frame(options: dict, size: int, gt_env, np_random, task) -> tuple[np.n
         return frame, (np.asarray(agent, np.float64) if agent is not None else read_agent(frame, np.full(2, 256.0)))
     if options.get("reset_to_state") is not None:
         state = np.asarray(options["reset_to_state"], dtype=np.float64)
-        if state.shape != (5,) or not np.all(np.isfinite(state)):
-            raise ValueError(f"reset_to_state must be 5 finite numbers [agent x, y, block x, y, angle], got {state.tolist()}")
-        return render_state(state, size, gt_env), state[:2].copy()
+        gt = task.module
+        if state.shape != (gt.STATE_SIZE,) or not np.all(np.isfinite(state)):
+            raise ValueError(f"reset_to_state must be {gt.STATE_SIZE} finite numbers {gt.STATE_DOC}, got {state.tolist()}")
+        return task.module.render_state(state, size, gt_env), state[:2].copy()
     obs, _ = gt_env.reset(seed=task.heldout_seed_base + SPLITS["test"] + int(np_random.integers(START_BANK)))
     return obs["pixels"], np.asarray(obs["agent_pos"], np.float64)
 
@@ -196,9 +196,7 @@ class WorldSimEnv(gym.Env):
 
     def _ground_truth_env(self):
         if self._gt_env is None:
-            from iws_gym.tasks.pusht.groundtruth import make_env
-
-            self._gt_env = make_env(self.size)
+            self._gt_env = self.task.module.make_env(self.size)
         return self._gt_env
 
     # ---- Gymnasium API

@@ -1,5 +1,6 @@
 """Task configs: one short TOML file per task in iws_gym/envs/configs/ (package data): ground truth, action
-space, frame size, scorer, shipped weights. The shipped weights are found by `weights_path`."""
+space, frame size, scorer, shipped weights, and the task's module (its ground truth and behaviours). The
+shipped weights are found by `weights_path`."""
 from __future__ import annotations
 
 import importlib
@@ -41,10 +42,16 @@ class TaskConfig:
     scorer: str                 # "module:Class" of the default success scorer
     checkpoint: str             # shipped weights, "checkpoints/<name>" (see weights_path)
     heldout_seed_base: int      # held-out seeds are >= this; training seeds < this
+    task_module: str = "iws_gym.tasks.pusht.task"  # the task's module (the interface in iws_gym/tasks/__init__.py)
 
     @property
     def checkpoint_path(self) -> Path:
         return weights_path(self.checkpoint)
+
+    @property
+    def module(self):
+        """The task's module: its ground truth, behaviours and what collection records (iws_gym/tasks/__init__.py)."""
+        return importlib.import_module(self.task_module)
 
     def make_scorer(self):
         """The task's default success scorer, built for its frame size."""
@@ -62,7 +69,7 @@ def load_task(name: str) -> TaskConfig:
         raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(available_tasks()) or 'none'} (configs in {CONFIG_DIR})")
     raw = tomllib.loads(path.read_text())
     names = {f.name for f in fields(TaskConfig)}
-    missing, extra = names - raw.keys(), raw.keys() - names
+    missing, extra = names - raw.keys() - {"task_module"}, raw.keys() - names
     if missing or extra:
         raise ValueError(f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(extra)}")
     return TaskConfig(**raw)

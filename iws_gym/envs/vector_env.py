@@ -18,7 +18,6 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
 from iws_gym.envs.env import check_action, read_agent, resize_obs, setup_world, start_frame, track_or, trust_info
-from iws_gym.tasks.pusht.groundtruth import make_env
 
 
 class WorldSimVectorEnv(VectorEnv):
@@ -42,7 +41,7 @@ class WorldSimVectorEnv(VectorEnv):
         self.max_episode_steps = max_episode_steps
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
-        self._gt = make_env(self.size)
+        self._gt = self.task.module.make_env(self.size)
         self._gen = torch.Generator()
         self._state = None
         self._frames = np.zeros((num_envs, self.size, self.size, 3), np.uint8)

@@ -131,6 +131,8 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
     stage1_extra, stage2_extra = [], []  # the compact stages' --extra-data
     if r.design == "compact":  # competent pushes, fast random drives and jittery pushes: scenes play rarely shows
         for folder, mix, per_1000, offset, stage2_only in COMPACT_DATA:
+            if mix not in task.module.MIXES:  # e.g. pile sweeping has no jittery pushes
+                continue
             n, d = max(1, r.episodes * per_1000 // 1000), out / folder
             f = d / "dataset.json"
             if not (f.is_file() and json.loads(f.read_text()).get("episodes") == n):

@@ -1,0 +1,73 @@
+"""Pile sweeping, as the task-generic layers see it (the interface is documented in iws_gym/tasks/__init__.py).
+
+Collection plans (`iws collect --task pilesweeping --mix`): the default play mix (behaviours.py), whole
+episodes of a uniform-random target every step, and demonstrations of the scripted sweeper (ending at
+success).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from iws_gym.tasks.pilesweep.behaviours import SEGMENT_NAMES, RandomTargets, Sweeper, Wander, sample_episode_plan  # noqa: F401
+from iws_gym.tasks.pilesweep.groundtruth import N_PIECES, make_env, render_state  # noqa: F401  (the interface)
+
+STATE_SIZE, STATE_DOC = 2 + 2 * N_PIECES, f"[agent x, y, piece 1 x, y, ..., piece {N_PIECES} x, y]"
+
+MIXES = ("play", "random", "expert")
+PLAY_BEHAVIOURS = ("mix", "unseen", "random")
+HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
+
+
+def get_state(env) -> np.ndarray:
+    """[agent x, agent y, piece 1 x, y, ...] of an unwrapped PileSweepEnv."""
+    return env.get_state()
+
+
+def reset_state(env) -> np.ndarray:
+    """The `reset_to_state` vector that puts an env back where `env` is now."""
+    return env.get_state()
+
+
+def observe(env, info) -> dict:
+    return {"pieces": info["pieces"], "coverage": float(info["coverage"])}
+
+
+def step_record(info) -> dict:
+    return {}
+
+
+def play_plan(rng: np.random.Generator, steps: int):
+    return sample_episode_plan(rng, steps), None
+
+
+def mix_plan(mix: str, seed: int, steps: int, learner=None):
+    if mix == "play":
+        return None
+    if mix == "random":
+        return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
+    return [("expert", Sweeper(np.random.default_rng([seed, 3])), steps)]
+
+
+def mix_of(plan: str) -> str:
+    for mix, prefix in (("random", "random:"), ("expert", "expert:")):
+        if plan.startswith(prefix):
+            return mix
+    return "play"
+
+
+def heldout_plan(behaviour: str, seed: int, steps: int):
+    """"unseen": wandering at random moderate speeds for the whole episode (play mixes it with sweeping);
+    "expert": the sweeper for the whole horizon (under another name: no stop at success)."""
+    if behaviour == "mix":
+        return None
+    if behaviour == "random":
+        return mix_plan("random", seed, steps)
+    if behaviour == "expert":
+        return [("expert_heldout", Sweeper(np.random.default_rng([seed, 3])), steps)]
+    return [("wander", Wander(np.random.default_rng(seed)), steps)]
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {"pymunk_version": version("pymunk")}

@@ -1,0 +1,94 @@
+"""T pushing, as the task-generic layers see it (the interface is documented in iws_gym/tasks/__init__.py).
+
+Collection plans (`iws collect --mix`): the default play mix, whole-episode jittery pushes, whole episodes of a
+uniform-random target every step (the stability check's random drive), expert demonstrations (the planning
+expert on the true state; an episode ends at success, as Push-T's demonstrations do), or interventions (a
+learner policy acts for a random 10-199 steps, then the expert takes over and shows how to recover from
+where the learner went: DAgger's data with the expert's corrections as whole pushes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from iws_gym.tasks.pusht.behaviours import SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state, sample_episode_plan
+from iws_gym.tasks.pusht.groundtruth import get_state, make_env, render_state, reset_state  # noqa: F401  (the interface)
+
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner"]  # append only: files store indices
+STATE_SIZE, STATE_DOC = 5, "[agent x, y, block x, y, angle]"  # get_state's vector, as gym-pusht's reset_to_state
+MIXES = ("play", "jittery", "random", "expert", "intervention")
+PLAY_BEHAVIOURS = ("mix", "unseen", "jittery", "random")  # scripted play and its variants (the trust calibration's)
+HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
+LEARNER_STEPS = (10, 200)  # the learner's part of an intervention episode, drawn uniformly from [lo, hi)
+
+
+def observe(env, info) -> dict:
+    """The true state recorded with each observation (for evaluation only)."""
+    return {"block_pose": info["block_pose"],
+            "coverage": float(info["coverage"]) if "coverage" in info else float(env._get_coverage())}
+
+
+def step_record(info) -> dict:
+    """What is recorded with each step besides the action."""
+    return {"n_contacts": info["n_contacts"]}
+
+
+def play_plan(rng: np.random.Generator, steps: int):
+    """The default play mix: (plan, reset options); a tenth of the episodes start near the goal."""
+    plan, near_goal = sample_episode_plan(rng, steps)
+    return plan, ({"reset_to_state": near_goal_state(rng)} if near_goal else None)
+
+
+def mix_plan(mix: str, seed: int, steps: int, learner=None):
+    """The plan of one episode of `iws collect --mix MIX` (None: the play mix, sampled by `play_plan`)."""
+    if mix == "play":
+        return None
+    if mix == "intervention":
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        n = min(steps, int(np.random.default_rng([seed, 4]).integers(*LEARNER_STEPS)))
+        return [("learner", learner, n), ("expert", PlanningPusher(np.random.default_rng([seed, 3])), steps - n)]
+    if mix == "random":
+        return [("random", RandomTargets(np.random.default_rng([seed, 2])), steps)]
+    if mix == "expert":
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        return [("expert", PlanningPusher(np.random.default_rng([seed, 3])), steps)]
+    return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
+
+
+def mix_of(plan: str) -> str:
+    """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
+    for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:"),
+                        ("intervention", "learner:")):
+        if plan.startswith(prefix):
+            return mix
+    return "play"
+
+
+def heldout_plan(behaviour: str, seed: int, steps: int):
+    """The plan of a held-out episode of `behaviour` (None: the play mix). "unseen": the evaluation-only Sweep
+    raster; "expert": the planning expert for the whole horizon, under another name than the
+    demonstrations' "expert", so it does not stop at success."""
+    if behaviour == "mix":
+        return None
+    if behaviour in ("jittery", "random"):
+        return mix_plan(behaviour, seed, steps)
+    if behaviour == "expert":
+        from iws_gym.tasks.pusht.expert import PlanningPusher
+
+        return [("expert_heldout", PlanningPusher(np.random.default_rng([seed, 3])), steps)]
+    return [("sweep", Sweep(np.random.default_rng(seed)), steps)]
+
+
+def versions() -> dict:
+    """Versions of the ground truth, recorded with each collection."""
+    return {"gym_pusht_version": _version("gym-pusht")}
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "unknown"
