@@ -19,7 +19,7 @@ import numpy as np
 
 from iws_gym import metrics
 from iws_gym.data.collect import heldout_episodes
-from iws_gym.tasks.pusht.groundtruth import render_states, wrap_angle
+from iws_gym.tasks.pusht.groundtruth import wrap_angle
 from iws_gym.tasks.pusht.pose import (WHOLE_AREA_TOL, WHOLE_INSIDE, WHOLE_IOU, area_ratio, estimate, inside_share,
                                       pose_errors)
 from iws_gym.envs.registry import TaskConfig
@@ -60,12 +60,20 @@ def validate_pose_estimator(task: TaskConfig, episodes: int = 20, steps: int = 1
     return report
 
 
-def frame_metrics(pred: np.ndarray, ep: dict) -> dict:
-    """Per-step metrics (arrays of length T+1) of predicted frames against a ground-truth episode, and the
-    T's fit residual and area ratio to the true T's (NaN where no T is found), for `whole_t`."""
+def frame_metrics(pred: np.ndarray, ep: dict, task: TaskConfig | None = None) -> dict:
+    """Per-step metrics (arrays of length T+1) of predicted frames against a ground-truth episode: the image
+    metrics, and the task's readings of its objects against their true state (`task.module.readings`; T
+    pushing's when task is None)."""
     gt = ep["frames"][: len(pred)]
     out = dict(mse=metrics.mse(pred, gt), psnr=metrics.psnr(pred, gt), ssim=metrics.ssim(pred, gt))
-    cache, rows = {}, []  # identical frames (the copy baseline) are estimated once
+    readings = task.module.readings if task is not None else pusht_readings
+    return {**out, **readings(pred, ep)}
+
+
+def pusht_readings(pred: np.ndarray, ep: dict) -> dict:
+    """T pushing's readings: the pose errors of POSE_KEYS (NaN where the reader finds nothing), and the T's fit
+    residual and area ratio to the true T's, for `whole_t`."""
+    out, cache, rows = {}, {}, []  # identical frames (the copy baseline) are estimated once
     for t, f in enumerate(pred):
         key = hash(f.tobytes())
         if key not in cache:
@@ -123,7 +131,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     if grid is not None and checkpoint is None:
         raise ValueError("--grid shows the model's rollouts: it needs --checkpoint")
     predictors = {"copy_first_frame": _copy_first,
-                  "ground_truth_rerender": lambda ep, h: render_states(ep["agent_pos"][: h + 1], ep["block_pose"][: h + 1], task.frame_size)}
+                  "ground_truth_rerender": lambda ep, h: task.module.rerender(ep, h, task.frame_size)}
     model_kind = None
     if checkpoint is not None:
         from iws_gym.models.world_model import load_predictor
@@ -141,7 +149,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
             t0 = time.perf_counter()
             pred = fn(ep, horizon)
             timings[name] += time.perf_counter() - t0
-            for k, v in frame_metrics(pred, ep).items():
+            for k, v in frame_metrics(pred, ep, task).items():
                 per[name].setdefault(k, []).append(v)
             if grid is not None and name == "model" and i < grid_episodes:
                 grid_rows += [ep["frames"][grid_steps], pred[grid_steps]]
@@ -158,24 +166,31 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
 
                   not_reported="LPIPS and FVD need pretrained network weights (AlexNet/VGG, I3D) that cannot be downloaded here",
                   per_step={}, summary={}, wall_s=None)
-    # object permanence: the fit-residual bound from the real frames (gym-pusht's renders of the true states)
-    res = np.concatenate(per["ground_truth_rerender"]["t_fit_residual"])
-    whole_residual = float(np.nanmax(res) * 1.25) if np.isfinite(res).any() else float("nan")
-    report["t_whole"] = dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL, iou_min=WHOLE_IOU, inside_min=WHOLE_INSIDE,
-                             rule="found by the pose reader, at least inside_min inside the frame, pixel area within "
-                                  "area_tol of a rigid T's, IoU >= iou_min with it, rigid-T fit "
-                                  "residual <= residual_max (the largest over the episodes' real frames, widened by 25%); "
-                                  "judged only where the true T is at least 90% inside the frame")
+    pusht = "t_fit_residual" in per["ground_truth_rerender"]
+    if pusht:  # object permanence: the fit-residual bound from the real frames (gym-pusht's renders of the true states)
+        res = np.concatenate(per["ground_truth_rerender"]["t_fit_residual"])
+        whole_residual = float(np.nanmax(res) * 1.25) if np.isfinite(res).any() else float("nan")
+        report["t_whole"] = dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL, iou_min=WHOLE_IOU, inside_min=WHOLE_INSIDE,
+                                 rule="found by the pose reader, at least inside_min inside the frame, pixel area within "
+                                      "area_tol of a rigid T's, IoU >= iou_min with it, rigid-T fit "
+                                      "residual <= residual_max (the largest over the episodes' real frames, widened by 25%); "
+                                      "judged only where the true T is at least 90% inside the frame")
+    else:
+        report["whole"] = task.module.WHOLE_RULE
+    keys = task.module.READING_KEYS
     for name, d in per.items():
-        res, ratio, shape_ok, judged = (np.stack(d.pop(k)) for k in ("t_fit_residual", "t_area_ratio", "t_shape_ok", "t_judged"))
+        if pusht:
+            res, ratio, shape_ok, judged = (np.stack(d.pop(k)) for k in ("t_fit_residual", "t_area_ratio", "t_shape_ok", "t_judged"))
         arr = {k: np.stack(v) for k, v in d.items()}  # (episodes, T+1)
-        arr["t_whole"] = whole_t(res, ratio, shape_ok, judged, whole_residual)
-        report["per_step"][name], s = summarise(arr, horizon)
+        if pusht:
+            arr["t_whole"] = whole_t(res, ratio, shape_ok, judged, whole_residual)
+        report["per_step"][name], s = summarise(arr, horizon, keys)
         s["seconds_per_episode"] = timings[name] / episodes
         report["summary"][name] = s
     gt = report["summary"]["ground_truth_rerender"]
     report["pose_estimator_error"] = {
-        "note": "the pose estimator read on exact re-renders of the true states vs those states: the floor of every physical metric",
+        "note": "the task's reader (T pushing: the pose estimator) on exact re-renders of the true states vs those "
+                "states: the floor of every physical metric",
         **{k: gt[k] for k in gt if k.endswith("_median") or "@" in k}}
     report["wall_s"] = round(time.time() - t_start, 1)
     if plot is not None:
@@ -186,7 +201,7 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
     return report
 
 
-def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
+def summarise(arr: dict[str, np.ndarray], horizon: int, keys=POSE_KEYS) -> tuple[dict, dict]:
     """Per-step curves and the summary of one predictor's metrics, arr[k] (episodes, T+1) with NaN where
     the pose estimator found nothing. Frame metrics are means over steps 1..T, pose errors medians over
     the frames where the object was found; `{k}_found@t` says over how many episodes a median at step t
@@ -194,23 +209,23 @@ def summarise(arr: dict[str, np.ndarray], horizon: int) -> tuple[dict, dict]:
     the worst error, and per_step `{k}_found` is the share of episodes that have it at each step."""
     with warnings.catch_warnings():  # steps where no episode has the object: NaN, by design
         warnings.simplefilter("ignore", RuntimeWarning)
-        per_step = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim", "t_whole")
+        per_step = {k: np.nanmean(v, axis=0).tolist() if k in ("mse", "psnr", "ssim") or k.endswith("whole")
                     else np.nanmedian(v, axis=0).tolist() for k, v in arr.items()}
     s = {k: float(np.nanmean(arr[k][:, 1:])) for k in ("mse", "psnr", "ssim")}
-    if "t_whole" in arr:  # object permanence: the share of frames whose T is whole, overall and per tenth
-        w = arr["t_whole"]
-        s["t_whole_share"] = float(np.nanmean(w[:, 1:]))
-        s["t_whole_share_by_decile"] = by_decile(w[:, 1:])
-        s["t_whole_judged_frames"] = int(np.isfinite(w[:, 1:]).sum())
+    for wk in [k for k in arr if k.endswith("whole")]:  # object permanence (T pushing: t_whole; piles: pieces_whole):
+        w = arr[wk]                                       # the share of whole-object frames, overall and per tenth
+        s[f"{wk}_share"] = float(np.nanmean(w[:, 1:]))
+        s[f"{wk}_share_by_decile"] = by_decile(w[:, 1:])
+        s[f"{wk}_judged_frames"] = int(np.isfinite(w[:, 1:]).sum())
         for t in (32, 64, 192):
             if t <= horizon:
-                s[f"t_whole_share@{t}"] = float(np.nanmean(w[:, t])) if np.isfinite(w[:, t]).any() else None
+                s[f"{wk}_share@{t}"] = float(np.nanmean(w[:, t])) if np.isfinite(w[:, t]).any() else None
     # each episode's mean over steps 1..T, and how far the mean over episodes could move with other episodes
     for k in ("psnr", "ssim"):
         per_ep = np.nanmean(arr[k][:, 1:], axis=1)
         s[f"{k}_per_episode"] = per_ep.tolist()
         s[f"{k}_ci95"] = bootstrap_ci(per_ep)
-    for k in POSE_KEYS:
+    for k in keys:
         found = ~np.isnan(arr[k])
         per_step[f"{k}_found"] = found.mean(axis=0).tolist()
         s[f"{k}_median"] = float(np.nanmedian(arr[k][:, 1:])) if found[:, 1:].any() else float("nan")

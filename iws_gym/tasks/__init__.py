@@ -17,6 +17,10 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
                                   scripted behaviours: the play mix and the other `iws collect --mix` plans
     HELDOUT_BEHAVIOURS, heldout_plan(behaviour, seed, steps)
                                   the behaviours of held-out episodes (evaluation)
+    READING_KEYS, readings(pred, ep), rerender(ep, horizon, frame_size), [WHOLE_RULE]
+                                  what `iws eval fidelity` reads from predicted frames against an episode's
+                                  true state (errors; NaN where nothing is found; a `*_whole` 0/1 array is
+                                  object permanence), and the true states drawn again (the floor)
     versions()                    versions of the ground truth, recorded with each collection
 
 The success scorer (`scoring.py`'s protocol) is named by the config's `scorer`.

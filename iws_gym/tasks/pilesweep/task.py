@@ -67,6 +67,35 @@ def heldout_plan(behaviour: str, seed: int, steps: int):
     return [("wander", Wander(np.random.default_rng(seed)), steps)]
 
 
+READING_KEYS = ("pieces_err", "coverage")  # per frame: |pieces read - true count| / count, |coverage read - true|
+WHOLE_TOL = 0.05  # a frame keeps the pile whole when the piece count read from it is within 5% of the truth (issue 35)
+WHOLE_RULE = dict(tol=WHOLE_TOL, rule="the piece count read from the frame (PileCoverageScorer: its orange ink over one "
+                                      "piece's) within tol of the true count")
+
+
+def readings(pred: np.ndarray, ep: dict) -> dict:
+    """Per-step readings of predicted frames against an episode's true pieces (evaluation/fidelity.py), and
+    `pieces_whole`: 1 where the count read is within WHOLE_TOL of the truth."""
+    from iws_gym.tasks.pilesweep.scorer import PileCoverageScorer
+
+    scorer = PileCoverageScorer(frame_size=pred.shape[1])
+    read = np.array([scorer.read(f) for f in pred])  # (T+1, 2): coverage, count
+    n = ep["pieces"].shape[1]
+    err = np.abs(read[:, 1] - n) / n
+    return {"pieces_err": err, "coverage": np.abs(read[:, 0] - ep["coverage"][: len(pred)]),
+            "pieces_whole": (err <= WHOLE_TOL).astype(np.float64)}
+
+
+def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
+    """An episode's true states drawn again without stepping physics: fidelity's floor."""
+    from iws_gym.tasks.pilesweep.groundtruth import PileSweepEnv
+
+    n = ep["pieces"].shape[1]
+    env = PileSweepEnv(obs_type="pixels", n_pieces=n, observation_width=frame_size, observation_height=frame_size)
+    states = np.concatenate([ep["agent_pos"][: horizon + 1], ep["pieces"][: horizon + 1].reshape(-1, 2 * n)], axis=1)
+    return np.stack([render_state(s, frame_size, env) for s in states])
+
+
 def versions() -> dict:
     from importlib.metadata import version
 

@@ -80,6 +80,23 @@ def heldout_plan(behaviour: str, seed: int, steps: int):
     return [("sweep", Sweep(np.random.default_rng(seed)), steps)]
 
 
+READING_KEYS = ("agent_px", "block_px", "block_rad", "coverage")  # what fidelity reads from frames: errors in px, rad, coverage
+
+
+def readings(pred: np.ndarray, ep: dict) -> dict:
+    """Per-step readings of predicted frames against an episode's true state (evaluation/fidelity.py)."""
+    from iws_gym.evaluation.fidelity import pusht_readings
+
+    return pusht_readings(pred, ep)
+
+
+def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
+    """An episode's true states over `horizon` steps drawn again by gym-pusht's renderer: fidelity's floor."""
+    from iws_gym.tasks.pusht.groundtruth import render_states
+
+    return render_states(ep["agent_pos"][: horizon + 1], ep["block_pose"][: horizon + 1], frame_size)
+
+
 def versions() -> dict:
     """Versions of the ground truth, recorded with each collection."""
     return {"gym_pusht_version": _version("gym-pusht")}
