@@ -220,3 +220,32 @@ def test_fidelity_reads_the_pile(tiny_pile_release, tmp_path):
     for k in ("pieces_err_median", "coverage_median", "pieces_whole_share", "pieces_whole_share_by_decile", "psnr_ci95"):
         assert k in model
     assert r["whole"]["tol"] == 0.05 and "block_px_median" not in model
+
+
+def test_policy_suite_is_graded_and_correlate_runs(tiny_pile_release, tmp_path):
+    """The pile suite's policies see only frames and agent_pos; in the ground truth the sweeper beats doing
+    nothing; `iws eval correlate --task pilesweeping` runs the whole suite in both worlds."""
+    import json
+
+    from iws_gym.envs.registry import load_task
+    from iws_gym.evaluation.policy_eval import run_ground_truth, start_states
+    from iws_gym.tasks.pilesweep.policies import pile_points, suite
+    from tests.conftest import run_iws
+
+    task = load_task("pilesweeping")
+    states = start_states(task, 2, seed=0)
+    assert states.shape == (2, 2 + 2 * N_PIECES)
+    idle, _ = run_ground_truth(task, suite()["idle"], states, 80, seed=0)
+    sweep, _ = run_ground_truth(task, suite()["sweeper"], states, 80, seed=0)
+    assert sweep.mean() > idle.mean() + 0.1
+    # the sweeper's eyes: every orange pixel of a frame, in canvas coordinates, near some true piece
+    env = make_env()
+    obs, info = env.reset(seed=4)
+    pts = pile_points(obs["pixels"])
+    assert len(pts) > 5 * N_PIECES
+    assert np.linalg.norm(pts[:, None] - info["pieces"][None], axis=-1).min(axis=1).max() < PIECE_RADIUS + 4
+    out = tmp_path / "corr.json"
+    run_iws("eval", "correlate", "--task", "pilesweeping", "--checkpoint", tiny_pile_release, "--episodes", 2,
+            "--horizon", 4, "--workers", 1, "--json", out)
+    r = json.loads(out.read_text())
+    assert list(r["per_policy"]) == list(suite()) and r["env_id"] == "IWS-PileSweeping-v0"

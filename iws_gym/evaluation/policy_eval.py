@@ -19,8 +19,6 @@ import numpy as np
 from iws_gym.data.splits import SPLITS
 from iws_gym.models.trust import TRUSTED
 from iws_gym.policies import load_policy_factory  # noqa: F401 (part of this module's API)
-from iws_gym.tasks.pusht.groundtruth import make_env, reset_state
-from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
 from iws_gym.envs.registry import TaskConfig
 
 
@@ -46,13 +44,13 @@ class _Runner:
 
 
 def start_states(task: TaskConfig, episodes: int, seed: int) -> np.ndarray:
-    """Initial states [agent x, y, block x, y, angle] of held-out gym-pusht resets (seeded), as vectors
-    that `reset_to_state` turns back into exactly those starts (see groundtruth.reset_state)."""
-    env = make_env(task.frame_size)
+    """Initial states of held-out ground-truth resets (seeded; T pushing: [agent x, y, block x, y, angle]), as
+    vectors that `reset_to_state` turns back into exactly those starts (see pusht.groundtruth.reset_state)."""
+    env = task.module.make_env(task.frame_size)
     out = []
     for i in range(episodes):
         env.reset(seed=task.heldout_seed_base + SPLITS["test"] + seed + i)
-        out.append(reset_state(env))
+        out.append(task.module.reset_state(env))
     return np.array(out)
 
 
@@ -93,7 +91,7 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     t0 = time.time()
     for b0 in range(0, n, batch):
         idx = np.arange(b0, min(n, b0 + batch))
-        envs = gym.make_vec("IWS-TPushing-v0", num_envs=len(idx), checkpoint=checkpoint, device=device,
+        envs = gym.make_vec(task.env_id, num_envs=len(idx), checkpoint=checkpoint, device=device,
                             max_episode_steps=horizon + 1, reencode=reencode,
                             reencode_every=reencode_every)
         obs, info = envs.reset(seed=(seed if env_seed is None else env_seed) + b0, options={"reset_to_states": states[idx]})
@@ -139,14 +137,14 @@ def run_ground_truth(task, factory, states, horizon, seed, record: list | None =
     If `pixel_scores` is a list, it receives each episode's score as the learned env reads it: the max
     coverage of gym-pusht's own frames by the default pixel scorer (so a gap can be split into the
     scorer's part and the dynamics' part)."""
-    env = make_env(task.frame_size)
-    scorer = TPushCoverageScorer(frame_size=task.frame_size) if pixel_scores is not None else None
+    env = task.module.make_env(task.frame_size)
+    scorer = task.make_scorer() if pixel_scores is not None else None
     scores = np.zeros(len(states))
     t0 = time.time()
     for i, st in enumerate(states):
         obs, info = env.reset(options={"reset_to_state": st})
         runner = _Runner(factory, seed + i)
-        best = float(env._get_coverage())
+        best = float(task.module.observe(env, info)["coverage"])
         best_px = scorer.coverage(obs["pixels"]) if scorer else None
         frames = [obs["pixels"]] if record is not None and i < record_episodes else None
         for _ in range(horizon):
@@ -419,14 +417,14 @@ def _suite_run_ground_truth(task_name: str, name: str, states, horizon: int, see
     seconds per episode, the same episodes' frames read by the learned env's pixel scorer, None)."""
     import torch
 
-    from iws_gym.policies.scripted import suite
     from iws_gym.envs.registry import load_task
 
     if threads:
         torch.set_num_threads(threads)
-    factory = load_policy_factory(spec) if spec else suite()[name]
+    task = load_task(task_name)
+    factory = load_policy_factory(spec) if spec else task.module.suite()[name]
     pixels: list = []
-    return (*run_ground_truth(load_task(task_name), factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
+    return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
 
 
 def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon: int, seed: int, checkpoint, device: str,
@@ -439,13 +437,12 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
     the pose-fit scorer, each episode's lowest trust)."""
     import torch
 
-    from iws_gym.policies.scripted import suite
     from iws_gym.envs.registry import load_task
 
     if threads:
         torch.set_num_threads(threads)
     task = load_task(task_name)
-    built = suite()
+    built = task.module.suite()
     factories = {n: load_policy_factory(specs[n]) if specs.get(n) else built[n] for n in names}
     n_ep = len(states)
     all_states = np.concatenate([states] * len(names))
@@ -454,9 +451,10 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
                               device, batch=batch, reencode=reencode, best_frames=frames, reencode_every=reencode_every,
                               trust_min=tmin, stop_untrusted=stop_untrusted, runner_seeds=np.tile(np.arange(seed, seed + n_ep), len(names)),
                               env_seed=seed + first)
-    # the same best frames read by the pose-fit scorer: if it agrees, a gap is the dynamics', not the pixel scorer's
-    scorer = TPushCoverageScorer(method="pose")
-    pose = np.array([scorer.coverage(f) for f in frames])
+    # the same best frames read by a second scorer (T pushing: the pose fit): if it agrees, a gap is the dynamics',
+    # not the pixel scorer's; a task without one repeats the pixel scores
+    second = task.module.second_scorer()
+    pose = np.array([second.coverage(f) for f in frames]) if second is not None else scores.copy()
     tmin = np.array(tmin)
     return {n: (scores[k * n_ep:(k + 1) * n_ep], sec, pose[k * n_ep:(k + 1) * n_ep], tmin[k * n_ep:(k + 1) * n_ep])
             for k, n in enumerate(names)}
@@ -502,7 +500,6 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     (MODULE:CALLABLE or a policy's .safetensors, see load_policy_factory)."""
     from tqdm import tqdm
 
-    from iws_gym.policies.scripted import suite
     from iws_gym.models.world_model import RolloutSettings, check_reencode_every
 
     if episodes <= 1 or horizon <= 0:
@@ -510,7 +507,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     reencode_every = check_reencode_every(reencode_every) if reencode_every is not None else RolloutSettings.reencode_every
-    policies = suite()
+    policies = task.module.suite()
     unknown = sorted(set(names or []) - set(policies))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; the suite has {sorted(policies)}")
@@ -531,7 +528,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     names = list(policies)
     g = max(1, SUITE_BATCH // episodes)
     groups = [(names[i:i + g], i * episodes) for i in range(0, len(names), g)]
-    gt_names = sorted(names, key=lambda n: "pusher" not in n)  # the frame-reading pushers first: the slowest
+    gt_names = sorted(names, key=lambda n: "pusher" not in n and "sweeper" not in n)  # the frame readers first: the slowest
     if workers == 1:
         res = {}
         for group, first in tqdm(groups, desc="policy suite in the learned world"):
@@ -570,7 +567,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                   stop_untrusted=stop_untrusted, added_policies=extra,
                   reencode_every=reencode_every if reencode else None, precision=_precision(device),
                   checkpoint=str(checkpoint or task.checkpoint_path),
-                  score="max coverage over the episode (Push-T); success = max coverage > 0.95",
+                  score=task.module.SCORE_DOC, ground_truth=task.ground_truth, env_id=task.env_id,
                   start_seeds=[task.heldout_seed_base + seed, task.heldout_seed_base + seed + episodes - 1],
                   overall=overall, per_policy=per, wall_s=round(time.time() - t0, 1))
     if plot:
@@ -592,8 +589,8 @@ def plot_correlation(report: dict, path) -> None:
                     capsize=3, label=name)
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
     o = report["overall"]
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="gym-pusht (ground truth): mean max coverage",
-           ylabel="IWS-TPushing-v0 (learned): mean max coverage",
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=f"{report.get('ground_truth', 'gym-pusht')} (ground truth): mean max coverage",
+           ylabel=f"{report.get('env_id', 'IWS-TPushing-v0')} (learned): mean max coverage",
            title=f"r = {o['pearson_r']:.3f}, rho = {o['spearman_rho']:.3f}, mean |gap| = {o['mean_abs_gap']:.3f}")
     ax.legend(fontsize=7, loc="upper left")  # a legend, not labels at the points: scores often cluster
     fig.tight_layout()

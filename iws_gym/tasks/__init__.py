@@ -21,6 +21,10 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
                                   what `iws eval fidelity` reads from predicted frames against an episode's
                                   true state (errors; NaN where nothing is found; a `*_whole` 0/1 array is
                                   object permanence), and the true states drawn again (the floor)
+    suite(), SCORE_DOC, second_scorer()
+                                  `iws eval correlate`'s graded policy suite (name -> factory of policies that see
+                                  only frames and agent_pos), what its score is, and a second reader of the
+                                  score from frames (or None)
     versions()                    versions of the ground truth, recorded with each collection
 
 The success scorer (`scoring.py`'s protocol) is named by the config's `scorer`.

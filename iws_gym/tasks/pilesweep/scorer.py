@@ -68,6 +68,9 @@ class PileCoverageScorer:
         total = float(m.sum())
         return (float((m * self.goal).sum() / total) if total > 0 else 0.0), total / self.unit
 
+    def coverage(self, frame: np.ndarray) -> float:
+        return self.read(frame)[0]
+
     def __call__(self, frames: np.ndarray) -> list[Score]:
         out = []
         for f in frames:

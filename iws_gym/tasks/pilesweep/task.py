@@ -96,6 +96,19 @@ def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
     return np.stack([render_state(s, frame_size, env) for s in states])
 
 
+SCORE_DOC = "max share of the pieces inside the goal region over the episode; success = share >= 0.9"
+
+
+def suite() -> dict:
+    from iws_gym.tasks.pilesweep.policies import suite as pile_suite
+
+    return pile_suite()
+
+
+def second_scorer():
+    return None
+
+
 def versions() -> dict:
     from importlib.metadata import version
 

@@ -97,6 +97,23 @@ def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
     return render_states(ep["agent_pos"][: horizon + 1], ep["block_pose"][: horizon + 1], frame_size)
 
 
+SCORE_DOC = "max coverage over the episode (Push-T); success = max coverage > 0.95"
+
+
+def suite() -> dict:
+    """The graded policy suite of `iws eval correlate` (policies/scripted.py)."""
+    from iws_gym.policies.scripted import suite as pusht_suite
+
+    return pusht_suite()
+
+
+def second_scorer():
+    """A second reader of the score from frames (the pose fit), to tell a scorer's error from the dynamics'."""
+    from iws_gym.tasks.pusht.scorer import TPushCoverageScorer
+
+    return TPushCoverageScorer(method="pose")
+
+
 def versions() -> dict:
     """Versions of the ground truth, recorded with each collection."""
     return {"gym_pusht_version": _version("gym-pusht")}
