@@ -220,6 +220,12 @@ def test_fidelity_reads_the_pile(tiny_pile_release, tmp_path):
     for k in ("pieces_err_median", "coverage_median", "pieces_whole_share", "pieces_whole_share_by_decile", "psnr_ci95"):
         assert k in model
     assert r["whole"]["tol"] == 0.05 and "block_px_median" not in model
+    # stage 1 alone (iws eval recon): the same readings of reconstructions against the truth
+    out = tmp_path / "recon.json"
+    run_iws("eval", "recon", "--task", "pilesweeping", "--checkpoint", tiny_pile_release, "--frames", 32, "--steps", 1,
+            "--json", out)
+    by = json.loads(out.read_text())["by_steps"]["1"]
+    assert {"psnr", "pieces_err_median_vs_truth", "coverage_median_vs_truth", "pieces_whole_share"} <= set(by)
 
 
 def test_policy_suite_is_graded_and_correlate_runs(tiny_pile_release, tmp_path):
