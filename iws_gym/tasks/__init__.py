@@ -21,6 +21,7 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
                                   what `iws eval fidelity` reads from predicted frames against an episode's
                                   true state (errors; NaN where nothing is found; a `*_whole` 0/1 array is
                                   object permanence), and the true states drawn again (the floor)
+    success(coverage)             success per coverage value, as the ground truth decides it
     suite(), SCORE_DOC, second_scorer()
                                   `iws eval correlate`'s graded policy suite (name -> factory of policies that see
                                   only frames and agent_pos), what its score is, and a second reader of the

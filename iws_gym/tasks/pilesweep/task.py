@@ -96,6 +96,13 @@ def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
     return np.stack([render_state(s, frame_size, env) for s in states])
 
 
+def success(coverage) -> np.ndarray:
+    """Success per coverage value (a share of pieces >= 0.9)."""
+    from iws_gym.tasks.pilesweep.groundtruth import SUCCESS_THRESHOLD
+
+    return np.asarray(coverage) >= SUCCESS_THRESHOLD
+
+
 SCORE_DOC = "max share of the pieces inside the goal region over the episode; success = share >= 0.9"
 
 

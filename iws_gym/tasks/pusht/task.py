@@ -97,6 +97,13 @@ def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
     return render_states(ep["agent_pos"][: horizon + 1], ep["block_pose"][: horizon + 1], frame_size)
 
 
+def success(coverage) -> np.ndarray:
+    """Success per coverage value, as gym-pusht decides it (coverage > 0.95)."""
+    from iws_gym.tasks.pusht.groundtruth import SUCCESS_THRESHOLD
+
+    return np.asarray(coverage) > SUCCESS_THRESHOLD
+
+
 SCORE_DOC = "max coverage over the episode (Push-T); success = max coverage > 0.95"
 
 
