@@ -235,7 +235,7 @@ def test_policy_suite_is_graded_and_correlate_runs(tiny_pile_release, tmp_path):
 
     from iws_gym.envs.registry import load_task
     from iws_gym.evaluation.policy_eval import run_ground_truth, start_states
-    from iws_gym.tasks.pilesweep.policies import pile_points, suite
+    from iws_gym.policies.sweepers import pile_points, suite
     from tests.conftest import run_iws
 
     task = load_task("pilesweeping")

@@ -18,7 +18,7 @@ import numpy as np
 
 from iws_gym.data.splits import SPLITS
 from iws_gym.models.trust import TRUSTED
-from iws_gym.policies import load_policy_factory  # noqa: F401 (part of this module's API)
+from iws_gym.policies import load_policy_factory, task_suite  # noqa: F401 (part of this module's API)
 from iws_gym.envs.registry import TaskConfig
 
 
@@ -422,7 +422,7 @@ def _suite_run_ground_truth(task_name: str, name: str, states, horizon: int, see
     if threads:
         torch.set_num_threads(threads)
     task = load_task(task_name)
-    factory = load_policy_factory(spec) if spec else task.module.suite()[name]
+    factory = load_policy_factory(spec) if spec else task_suite(task.name)[name]
     pixels: list = []
     return (*run_ground_truth(task, factory, states, horizon, seed, pixel_scores=pixels), np.array(pixels), None)
 
@@ -442,7 +442,7 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
     if threads:
         torch.set_num_threads(threads)
     task = load_task(task_name)
-    built = task.module.suite()
+    built = task_suite(task.name)
     factories = {n: load_policy_factory(specs[n]) if specs.get(n) else built[n] for n in names}
     n_ep = len(states)
     all_states = np.concatenate([states] * len(names))
@@ -507,7 +507,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     reencode_every = check_reencode_every(reencode_every) if reencode_every is not None else RolloutSettings.reencode_every
-    policies = task.module.suite()
+    policies = task_suite(task.name)
     unknown = sorted(set(names or []) - set(policies))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; the suite has {sorted(policies)}")

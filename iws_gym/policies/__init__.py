@@ -1,10 +1,24 @@
 """Policies that act on gym-pusht's observations (`obs["pixels"]`, `obs["agent_pos"]`), usable as
 `iws eval policy --policy iws_gym.policies:NAME`: scripted frame-only pushers and the shipped
-behaviour-cloning policies of the evaluation suite, and the visuomotor policy (`visuomotor`)."""
+behaviour-cloning policies of the evaluation suite, and the visuomotor policy (`visuomotor`); the
+pile-sweeping policies in `sweepers.py`. `task_suite(task)` is each task's graded suite of `iws eval correlate`."""
 from iws_gym.policies.scripted import (  # noqa: F401
     ExpertPusher, FramePusher, IdlePolicy, JitteryPusher, LazyPusher, RandomPolicy, bc_step300, bc_step1000, bc_step4000, suite,
 )
 from iws_gym.policies.visuomotor import visuomotor  # noqa: F401
+
+
+SUITES = {"tpushing": "iws_gym.policies.scripted:suite", "pilesweeping": "iws_gym.policies.sweepers:suite"}
+
+
+def task_suite(task: str) -> dict:
+    """The graded policy suite of a task (name -> factory), from doing nothing to its competent demonstrator."""
+    import importlib
+
+    if task not in SUITES:
+        raise ValueError(f"no policy suite for task {task!r}; suites: {', '.join(SUITES)}")
+    mod_name, attr = SUITES[task].split(":")
+    return getattr(importlib.import_module(mod_name), attr)()
 
 
 POLICY_KINDS = {"visuomotor": "iws_gym.policies.visuomotor:VisuomotorPolicy", "bc": "iws_gym.policies.bc:BCPolicy"}

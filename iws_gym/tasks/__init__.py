@@ -22,10 +22,8 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
                                   true state (errors; NaN where nothing is found; a `*_whole` 0/1 array is
                                   object permanence), and the true states drawn again (the floor)
     success(coverage)             success per coverage value, as the ground truth decides it
-    suite(), SCORE_DOC, second_scorer()
-                                  `iws eval correlate`'s graded policy suite (name -> factory of policies that see
-                                  only frames and agent_pos), what its score is, and a second reader of the
-                                  score from frames (or None)
+    SCORE_DOC, second_scorer()    what `iws eval correlate` scores, and a second reader of the score from frames
+                                  (or None); the task's graded policy suite is in iws_gym/policies (task_suite)
     versions()                    versions of the ground truth, recorded with each collection
 
 The success scorer (`scoring.py`'s protocol) is named by the config's `scorer`.

@@ -106,12 +106,6 @@ def success(coverage) -> np.ndarray:
 SCORE_DOC = "max share of the pieces inside the goal region over the episode; success = share >= 0.9"
 
 
-def suite() -> dict:
-    from iws_gym.tasks.pilesweep.policies import suite as pile_suite
-
-    return pile_suite()
-
-
 def second_scorer():
     return None
 

@@ -107,13 +107,6 @@ def success(coverage) -> np.ndarray:
 SCORE_DOC = "max coverage over the episode (Push-T); success = max coverage > 0.95"
 
 
-def suite() -> dict:
-    """The graded policy suite of `iws eval correlate` (policies/scripted.py)."""
-    from iws_gym.policies.scripted import suite as pusht_suite
-
-    return pusht_suite()
-
-
 def second_scorer():
     """A second reader of the score from frames (the pose fit), to tell a scorer's error from the dynamics'."""
     from iws_gym.tasks.pusht.scorer import TPushCoverageScorer

@@ -1,4 +1,4 @@
-"""Pile-sweeping policies that act from what a policy may see: the frame and agent_pos (gym-pusht's observation
+"""Pile-sweeping policies (tasks/pilesweep) that act from what a policy may see: the frame and agent_pos (gym-pusht's observation
 convention, any frame size), so each runs unchanged in the ground truth and in IWS-PileSweeping-v0.
 
 `FrameSweeper` is the scripted sweeper (behaviours.Sweeper) driven by the pile read from the frame: every pixel
