@@ -241,6 +241,9 @@ def test_policy_suite_is_graded_and_correlate_runs(tiny_pile_release, tmp_path):
     task = load_task("pilesweeping")
     states = start_states(task, 2, seed=0)
     assert states.shape == (2, 2 + 2 * N_PIECES)
+    from iws_gym.evaluation.policy_eval import _summary
+
+    assert _summary(np.array([0.9, 0.5]), task)["success_rate"] == 0.5  # the pile's success: a share >= 0.9
     idle, _ = run_ground_truth(task, suite()["idle"], states, 80, seed=0)
     sweep, _ = run_ground_truth(task, suite()["sweeper"], states, 80, seed=0)
     assert sweep.mean() > idle.mean() + 0.1

@@ -6,7 +6,8 @@ class / factory that builds one (called with no arguments, once per episode). An
 action chunk (k, 2) (Diffusion Policy, ACT), executed step by step before the policy is asked again.
 If the policy has `reset(seed)`, it is called at every episode start.
 
-Scores follow Push-T: an episode's score is its max coverage; success = max coverage > 0.95.
+An episode's score is its max coverage (the task's: T pushing's goal coverage, the share of pucks in the goal for
+piles); success as the task decides it (T pushing: max coverage > 0.95; piles: >= 0.9).
 """
 from __future__ import annotations
 
@@ -178,26 +179,27 @@ def episode_video_frames(learned: list, ground_truth: list | None = None) -> lis
     return out
 
 
-def _summary(scores: np.ndarray) -> dict:
+def _summary(scores: np.ndarray, task: TaskConfig | None = None) -> dict:
+    """Mean score and success rate (as the task decides success; T pushing's max coverage > 0.95 when None)."""
     n = len(scores)
-    succ = (scores > 0.95).astype(float)
+    succ = (task.module.success(scores) if task is not None else scores > 0.95).astype(float)
     return dict(mean_max_coverage=float(scores.mean()), stderr=float(scores.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
                 success_rate=float(succ.mean()), success_stderr=float(succ.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
                 episodes=n)
 
 
-def trust_summary(tmin, learned, gt=None) -> dict:
+def trust_summary(tmin, learned, gt=None, task: TaskConfig | None = None) -> dict:
     """Per policy: the share of trusted episodes (lowest trust >= trust.TRUSTED) and the scores over them
     (and, with ground-truth scores, the gap over all episodes and over the trusted ones)."""
     tmin, learned = np.asarray(tmin, float), np.asarray(learned, float)
     ok = tmin >= TRUSTED
     out = dict(threshold=TRUSTED, trusted_share=float(ok.mean()), trusted_episodes=int(ok.sum()),
-               trust_min=tmin.tolist(), learned_trusted=_summary(learned[ok]) if ok.any() else None)
+               trust_min=tmin.tolist(), learned_trusted=_summary(learned[ok], task) if ok.any() else None)
     if gt is not None:
         gt = np.asarray(gt, float)
         out.update(gap_all=float(learned.mean() - gt.mean()),
                    gap_trusted=float(learned[ok].mean() - gt[ok].mean()) if ok.any() else None,
-                   ground_truth_trusted=_summary(gt[ok]) if ok.any() else None)
+                   ground_truth_trusted=_summary(gt[ok], task) if ok.any() else None)
     return out
 
 
@@ -223,16 +225,16 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
         scores, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l, trust_min=tmin,
                                   stop_untrusted=stop_untrusted)
         report.update(precision=_precision(device), stop_untrusted=stop_untrusted,
-                      learned=dict(**_summary(scores), seconds_per_episode=t_l, scores=scores.tolist()))
+                      learned=dict(**_summary(scores, task), seconds_per_episode=t_l, scores=scores.tolist()))
     gt = None
     rec_g = [] if video is not None and (ground_truth or not learned) else None
     if ground_truth or not learned:
         gt, t_g = run_ground_truth(task, factory, states, horizon, seed, record=rec_g, record_episodes=k)
-        report["ground_truth"] = dict(**_summary(gt), seconds_per_episode=t_g, scores=gt.tolist())
+        report["ground_truth"] = dict(**_summary(gt, task), seconds_per_episode=t_g, scores=gt.tolist())
     if learned:
         if gt is not None:
             report["gap"] = dict(**paired_gap(scores, gt), mean_abs=float(np.abs(scores - gt).mean()))
-        report["trust"] = trust_summary(tmin, scores, gt)
+        report["trust"] = trust_summary(tmin, scores, gt, task)
     if video is not None:
         from iws_gym.evaluation.demo import write_video
 
@@ -552,7 +554,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
         (learned, t_l, pose, tmin), (gt, t_g, gt_px, _) = res[(name, "learned")], res[(name, "ground_truth")]
         pg = paired_gap(learned, gt)
         sg, dg = paired_gap(gt_px, gt), paired_gap(learned, gt_px)
-        per[name] = dict(learned=_summary(learned), ground_truth=_summary(gt), gap=pg["mean"], gap_stderr=pg["stderr"],
+        per[name] = dict(learned=_summary(learned, task), ground_truth=_summary(gt, task), gap=pg["mean"], gap_stderr=pg["stderr"],
                          gap_significant=pg["significant"], episode_pearson=pearson(learned, gt), seconds_per_episode_learned=t_l,
                          seconds_per_episode_ground_truth=t_g, scores_learned=learned.tolist(), scores_ground_truth=gt.tolist(),
                          scores_learned_pose=pose.tolist(), scores_ground_truth_pixels=gt_px.tolist(),
@@ -560,7 +562,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                          #     + dynamics part (learned - gym-pusht's frames read by the same scorer)
                          scorer_gap=sg["mean"], scorer_gap_stderr=sg["stderr"],
                          dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"],
-                         trust=trust_summary(tmin, learned, gt))
+                         trust=trust_summary(tmin, learned, gt, task))
     overall = suite_figures(per)
     overall["trust"] = suite_trust(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
