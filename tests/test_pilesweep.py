@@ -258,3 +258,33 @@ def test_policy_suite_is_graded_and_correlate_runs(tiny_pile_release, tmp_path):
             "--horizon", 4, "--workers", 1, "--json", out)
     r = json.loads(out.read_text())
     assert list(r["per_policy"]) == list(suite()) and r["env_id"] == "IWS-PileSweeping-v0"
+
+
+def test_stability_checks_the_pile(tiny_pile_release, tmp_path):
+    """`iws eval stability --task pilesweeping`: the pile's own checks (agent, puck count, colours) calibrated on
+    real frames, which they accept; the whole-pile share and the still world's drift reported."""
+    import json
+
+    from iws_gym.evaluation.stability import calibrate, failures
+    from iws_gym.tasks.pilesweep import checks
+    from tests.conftest import run_iws
+
+    env = make_env()
+    frames = [o["pixels"] for o, _ in _drive(env, 31, 40)]
+    envelope = calibrate(np.stack(frames[::2]), checks=checks)
+    assert all(not failures(checks.frame_stats(f), envelope, checks) for f in frames[1::2])
+    whole = checks.calibrate_whole(np.stack(frames))
+    assert whole["count"] == N_PIECES and all(checks.is_whole(f, whole) for f in frames)
+    from iws_gym.tasks.pilesweep.scorer import piece_mass
+
+    broken = frames[0].copy()
+    ys, xs = np.nonzero(piece_mass(broken) > 0)
+    keep = xs < np.median(xs)  # the pucks of one half of the pile erased
+    broken[ys[~keep], xs[~keep]] = 255
+    assert not checks.is_whole(broken, whole)
+    out = tmp_path / "stab.json"
+    run_iws("eval", "stability", "--task", "pilesweeping", "--checkpoint", tiny_pile_release, "--steps", 10,
+            "--check-every", 5, "--actions", "random", "hold", "--calib-episodes", 1, "--calib-steps", 10, "--json", out)
+    r = json.loads(out.read_text())
+    assert r["pieces_whole"]["count"] == N_PIECES and "pieces_whole_share" in r["rollouts"]["random"]
+    assert "coverage_drift_max" in r["rollouts"]["hold"]["still_world"]

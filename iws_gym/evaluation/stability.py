@@ -2,23 +2,26 @@
 
 The paper's model runs for over 10 minutes (9000 steps at 15 FPS). Here a rollout of N steps starts from
 one real held-out frame (`drives` rollouts at once start from as many) and is driven by either
-* `random`: a uniformly random agent target every step (what a random policy sends), or
-* `scripted`: the actions of held-out scripted play (the training behaviour mix), episode after episode.
+* `random`: a uniformly random agent target every step (what a random policy sends),
+* `scripted`: the actions of held-out scripted play (the training behaviour mix), episode after episode, or
+* `hold`: the agent told to stay where it is (a still world: nothing may move).
 
-Every `check_every` steps the latent is decoded and the frame is checked. A frame is valid when
+Every `check_every` steps the latent is decoded and the frame is checked by the task's checks (its checks.py).
+A frame is valid when its objects are detectable and each of its statistics lies inside the envelope of the same
+statistic over real ground-truth frames, widened by a margin (`calibrate`). For T pushing:
 * the agent is detectable (pose.agent_position finds the blue disc) and its blue area is in range,
 * the T block is detectable (pose.estimate fits a pose) with a template-fit residual in range,
 * the block's visible area, the mean colour and the share of off-palette pixels are in range,
 * the fitted T lies on the table: `block_inside`, the share of the fitted template's area inside the frame
   (a real block cannot leave the table, but a broken one - a bar against the wall - is fitted best by a T
-  whose crossbar hangs off the frame, and the in-frame residual alone lets that pass),
-where "in range" means inside the envelope of the same statistic over real ground-truth frames, widened
-by a margin (`calibrate`). The real frames come from the same two drives in gym-pusht (held-out scripted
-play and random targets, whole episodes: a pushed block covering the goal changes the mean colour, so
-frames near the start alone make too narrow an envelope), and the checks are themselves checked: the
-report's `false_alarm` is the share of a second, disjoint set of real frames that they reject. It also
-gives the first step where any check fails (null if none), the fraction of failing checks per kind, and a
-strip of frames across the rollout.
+  whose crossbar hangs off the frame, and the in-frame residual alone lets that pass);
+for pile sweeping the agent, the puck count read from the frame, the mean colour and the off-palette share.
+The real frames come from the same two drives in the ground truth (held-out scripted play and random targets,
+whole episodes: a pushed block covering the goal changes the mean colour, so frames near the start alone make
+too narrow an envelope), and the checks are themselves checked: the report's `false_alarm` is the share of a
+second, disjoint set of real frames that they reject. It also gives the first step where any check fails (null
+if none), the fraction of failing checks per kind, the share of frames whose object is whole (T: `t_whole`;
+piles: `pieces_whole`) and a strip of frames across the rollout.
 """
 from __future__ import annotations
 
@@ -29,61 +32,32 @@ import numpy as np
 import torch
 
 from iws_gym.data.collect import heldout_episodes
-from iws_gym.tasks.pusht.pose import (WHOLE_AREA_TOL, WHOLE_INSIDE, WHOLE_IOU, block_fraction, calibrate_whole_t, estimate,
-                                      inside_share, is_whole_t)
 from iws_gym.envs.registry import TaskConfig
+from iws_gym.tasks.pusht import checks as PUSHT  # the default checks of the helpers below (T pushing's)
+from iws_gym.tasks.pusht.pose import inside_share  # noqa: F401  (re-exported for the tests)
 
-# colours a Push-T frame is made of (RGB): background, goal, block fill/outline, agent, walls
-PALETTE = np.array([[255, 255, 255], [144, 238, 144], [143, 163, 184], [119, 136, 153], [65, 105, 225], [211, 211, 211]],
-                   dtype=np.float32)
-
-
-def frame_stats(frame: np.ndarray) -> dict:
-    """Statistics of one (H, W, 3) uint8 frame that the validity checks use."""
-    f = frame.astype(np.float32)
-    blue = np.clip((f[..., 2] - 0.5 * (f[..., 0] + f[..., 1]) - 40.0) / 60.0, 0, 1)
-    a, _ = block_fraction(frame)
-    # distance of each pixel to the segment between any two palette colours (anti-aliased edges are mixes)
-    d = np.full(f.shape[:2], np.inf, dtype=np.float32)
-    for i in range(len(PALETTE)):
-        for j in range(i, len(PALETTE)):
-            p, q = PALETTE[i], PALETTE[j]
-            v = q - p
-            t = np.clip(((f - p) @ v) / max(float(v @ v), 1e-6), 0, 1) if i != j else np.zeros(f.shape[:2], np.float32)
-            d = np.minimum(d, np.linalg.norm(f - (p + t[..., None] * v), axis=-1))
-    est = estimate(frame)
-    return dict(agent_found=est.agent is not None, block_found=est.block is not None,
-                agent_area=float(blue.sum()), block_area=float(np.clip(a, 0, 1).sum()),
-                fit_residual=float(est.fit_residual) if est.block is not None else float("nan"),
-                block_inside=inside_share(est.block, frame.shape[0]) if est.block is not None else float("nan"),
-                mean_r=float(f[..., 0].mean()), mean_g=float(f[..., 1].mean()), mean_b=float(f[..., 2].mean()),
-                off_palette=float((d > 40).mean()))
+PALETTE, RANGED = PUSHT.PALETTE, PUSHT.RANGED
 
 
-RANGED = ("agent_area", "block_area", "fit_residual", "block_inside", "mean_r", "mean_g", "mean_b", "off_palette")
+def frame_stats(frame: np.ndarray, checks=PUSHT) -> dict:
+    """Statistics of one (H, W, 3) uint8 frame that the validity checks use (the task's checks.py)."""
+    return checks.frame_stats(frame)
 
 
-def calibrate(frames: np.ndarray, margin: float = 0.25) -> dict:
+def calibrate(frames: np.ndarray, margin: float = 0.25, checks=PUSHT) -> dict:
     """Envelope [lo, hi] of each ranged statistic over real frames, widened by `margin` of its span
-    (one-sided quantities - residual, off-palette share - get an upper bound only)."""
-    stats = [frame_stats(f) for f in frames]
+    (one-sided quantities get an upper bound only; see the task's checks.envelope_bounds)."""
+    stats = [checks.frame_stats(f) for f in frames]
     env = {}
-    for k in RANGED:
+    for k in checks.RANGED:
         v = np.array([s[k] for s in stats], dtype=np.float64)
         v = v[np.isfinite(v)]
-        lo, hi = float(v.min()), float(v.max())
-        span = max(hi - lo, 1e-6)
-        if k == "block_inside":  # a real T is never off the table; 2% slack for a fit a pixel off at the wall
-            env[k] = [min(lo - margin * span, lo - 0.02), 1.0 + 1e-6]
-        elif k in ("fit_residual", "off_palette"):
-            env[k] = [0.0, hi + margin * span + (0.01 if k == "off_palette" else 0.0)]
-        else:
-            env[k] = [lo - margin * span, hi + margin * span]
+        env[k] = checks.envelope_bounds(k, float(v.min()), float(v.max()), margin)
     return env
 
 
-def failures(stats: dict, envelope: dict) -> list[str]:
-    out = [k for k in ("agent_found", "block_found") if not stats[k]]
+def failures(stats: dict, envelope: dict, checks=PUSHT) -> list[str]:
+    out = [k for k in checks.FOUND if not stats[k]]
     for k, (lo, hi) in envelope.items():
         v = stats[k]
         if not np.isfinite(v) or v < lo or v > hi:
@@ -93,12 +67,11 @@ def failures(stats: dict, envelope: dict) -> list[str]:
 
 def reference_frames(task: TaskConfig, episodes: int, steps: int, split: str, every: int = 5) -> np.ndarray:
     """Real frames of both drives, every `every`-th step: `episodes` of held-out scripted play and as many
-    of random targets in gym-pusht, from the first seeds of held-out `split` (data.splits). (B, H, W, 3) uint8."""
+    of random targets in the ground truth, from the first seeds of held-out `split` (data.splits). (B, H, W, 3) uint8."""
     from iws_gym.data.splits import split_offset
-    from iws_gym.tasks.pusht.groundtruth import make_env
 
     frames = [ep["frames"][every::every] for ep in heldout_episodes(task, episodes, steps, split)]
-    env = make_env(task.frame_size)
+    env = task.module.make_env(task.frame_size)
     for i in range(episodes):
         seed = task.heldout_seed_base + split_offset(split) + i
         env.reset(seed=seed)
@@ -110,11 +83,11 @@ def reference_frames(task: TaskConfig, episodes: int, steps: int, split: str, ev
     return np.concatenate(frames)
 
 
-def false_alarms(frames: np.ndarray, envelope: dict) -> dict:
+def false_alarms(frames: np.ndarray, envelope: dict, checks=PUSHT) -> dict:
     """How often the checks reject real frames (they should not)."""
     counts, n_bad = {}, 0
     for f in frames:
-        bad = failures(frame_stats(f), envelope)
+        bad = failures(checks.frame_stats(f), envelope, checks)
         n_bad += bool(bad)
         for k in bad:
             counts[k] = counts.get(k, 0) + 1
@@ -164,31 +137,27 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                                     settings=settings)
     # the first 50 steps of held-out scripted play: the first one is the rollouts' start, and every 5th frame of
     # them all is the envelope used before (episode starts only), whose false alarms the report compares
+    ck = task.module.checks()
     starts = list(heldout_episodes(task, max(calib_episodes, drives), 50, "stability_calibration"))
     calib = reference_frames(task, calib_episodes, calib_steps, "stability_calibration")
-    envelope = calibrate(calib)
-    whole_residual = calibrate_whole_t(calib)  # object permanence: the T found, of its true area, rigid
+    envelope = calibrate(calib, checks=ck)
+    whole = ck.calibrate_whole(calib)  # object permanence (T: found, of its true area, rigid; piles: the count kept)
     check = reference_frames(task, calib_episodes, calib_steps, "stability_check")
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, drives=drives,
                   reencode=reencode,
                   reencode_every=settings.reencode_every if reencode else None, precision=dtype_name(wm.dtype),
-                  validity="agent and block detectable; agent area, block area, T-fit residual, share of the fitted "
-                           "T inside the frame, mean colour and off-palette share inside the envelope of real frames "
-                           "(widened by 25% of its span)",
-                  calibration=f"real gym-pusht frames, every 5th of {calib_episodes} held-out episodes of scripted play "
+                  validity=ck.VALIDITY,
+                  calibration=f"real ground-truth frames, every 5th of {calib_episodes} held-out episodes of scripted play "
                               f"and {calib_episodes} of random targets, {calib_steps} steps each (split stability_calibration)",
                   envelope=envelope,
-                  false_alarm=dict(false_alarms(check, envelope), source="the same from split stability_check"),
+                  false_alarm=dict(false_alarms(check, envelope, ck), source="the same from split stability_check"),
                   false_alarm_of_start_envelope=false_alarms(check, calibrate(np.concatenate(
-                      [ep["frames"][::5] for ep in starts[:calib_episodes]]))),
-                  t_whole=dict(residual_max=whole_residual, area_tol=WHOLE_AREA_TOL, iou_min=WHOLE_IOU, inside_min=WHOLE_INSIDE,
-                               false_alarm=float(1 - np.mean([is_whole_t(estimate(f), f.shape[0], whole_residual)
-                                                              for f in check]))),
+                      [ep["frames"][::5] for ep in starts[:calib_episodes]]), checks=ck), ck),
+                  **{ck.WHOLE_KEY: dict(**whole, false_alarm=float(1 - np.mean([ck.is_whole(f, whole) for f in check])))},
                   rollouts={})
     strips = []
     first = np.stack([ep["frames"][0] for ep in starts[:drives]])
-    first_est = [estimate(f) for f in first]
-    first_area = [frame_stats(f)["agent_area"] for f in first]
+    first_area = [ck.frame_stats(f)["agent_area"] for f in first]
     for kind in kinds:
         actions = torch.from_numpy(drive_actions(kind, task, steps, seed, [ep["agent_pos"][0] for ep in starts[:drives]]))
         # a still world: how far each drive's T and frame move from its start
@@ -211,20 +180,18 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                     frames = wm.decode_last(state, generator=gen)
                 seg = min(t * n_seg // steps, n_seg - 1)
                 for i, frame in enumerate(frames):
-                    stats = frame_stats(frame)
-                    bad = failures(stats, envelope)
-                    est = estimate(frame)
-                    whole = is_whole_t(est, frame.shape[0], whole_residual)
+                    stats = ck.frame_stats(frame)
+                    bad = failures(stats, envelope, ck)
+                    is_whole = ck.is_whole(frame, whole)
                     seg_bad[seg] += bool(bad)
                     seg_n[seg] += 1
-                    seg_whole[seg] += whole
+                    seg_whole[seg] += is_whole
                     d = per_drive[i]
                     d["checks"] += 1
                     d["invalid"] += bool(bad)
-                    d["whole"] += whole
+                    d["whole"] += is_whole
                     if kind == "hold":
-                        drift[i].append(float(np.linalg.norm(est.block[:2] - first_est[i].block[:2]))
-                                        if est.block is not None and first_est[i].block is not None else np.nan)
+                        drift[i].append(ck.still_drift(frame, first[i]))
                         frame_diff[i].append(float(np.abs(frame.astype(np.float32) - first[i]).mean()))
                         agent_area[i].append(stats["agent_area"] / max(first_area[i], 1e-6))
                     for k in bad:
@@ -243,21 +210,21 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             failed_fraction={k: v / n_checks for k, v in sorted(fail_counts.items())},
             invalid_frame_fraction=sum(seg_bad) / n_checks, strip_steps=shown_at,
             invalid_fraction_by_tenth=[round(b / n, 3) if n else None for b, n in zip(seg_bad, seg_n)],
-            t_whole_share=sum(seg_whole) / n_checks,
-            t_whole_share_by_tenth=[round(w / n, 3) if n else None for w, n in zip(seg_whole, seg_n)],
-            per_drive=[dict(t_whole_share=d["whole"] / d["checks"], invalid_frame_fraction=d["invalid"] / d["checks"],
-                            first_failure_step=d["first_failure_step"]) for d in per_drive],
+            **{f"{ck.WHOLE_KEY}_share": sum(seg_whole) / n_checks,
+               f"{ck.WHOLE_KEY}_share_by_tenth": [round(w / n, 3) if n else None for w, n in zip(seg_whole, seg_n)]},
+            per_drive=[{f"{ck.WHOLE_KEY}_share": d["whole"] / d["checks"], "invalid_frame_fraction": d["invalid"] / d["checks"],
+                        "first_failure_step": d["first_failure_step"]} for d in per_drive],
             final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
-        if kind == "hold":  # the still world: T drift (canvas px), mean frame change (grey levels), agent area ratio
+        if kind == "hold":  # the still world: object drift (T: canvas px), mean frame change (grey levels), agent area ratio
             d = np.asarray(drift)
-            report["rollouts"][kind]["still_world"] = dict(
-                block_drift_px_max=float(np.nanmax(d)) if np.isfinite(d).any() else None,
-                block_drift_px_final=float(np.nanmax(d[:, -1])) if np.isfinite(d[:, -1]).any() else None,
-                block_lost_share=float(np.isnan(d).mean()), frame_mean_abs_diff_max=float(np.max(frame_diff)),
-                agent_area_ratio_max=float(np.max(agent_area)),
-                note="the agent is commanded to stay where it starts: in gym-pusht nothing moves, so every figure "
-                     "should stay at the start frame's (drift 0, diff ~0, ratio 1; a ratio near 2 is a second agent); "
-                     "the largest over the drives")
+            report["rollouts"][kind]["still_world"] = {
+                f"{ck.DRIFT_KEY}_max": float(np.nanmax(d)) if np.isfinite(d).any() else None,
+                f"{ck.DRIFT_KEY}_final": float(np.nanmax(d[:, -1])) if np.isfinite(d[:, -1]).any() else None,
+                ck.LOST_KEY: float(np.isnan(d).mean()), "frame_mean_abs_diff_max": float(np.max(frame_diff)),
+                "agent_area_ratio_max": float(np.max(agent_area)),
+                "note": "the agent is commanded to stay where it starts: in the ground truth nothing moves, so every "
+                        "figure should stay at the start frame's (drift 0, diff ~0, ratio 1; a ratio near 2 is a second "
+                        "agent); the largest over the drives"}
         strips.append(np.stack(shown))
     report["stable"] = all(r["first_failure"] is None for r in report["rollouts"].values())
     if strip is not None:

@@ -24,6 +24,8 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
     success(coverage)             success per coverage value, as the ground truth decides it
     SCORE_DOC, second_scorer()    what `iws eval correlate` scores, and a second reader of the score from frames
                                   (or None); the task's graded policy suite is in iws_gym/policies (task_suite)
+    checks()                      the frame checks of `iws eval stability` (its checks.py: frame statistics and
+                                  their envelope, whole object, still-world drift)
     versions()                    versions of the ground truth, recorded with each collection
 
 The success scorer (`scoring.py`'s protocol) is named by the config's `scorer`.

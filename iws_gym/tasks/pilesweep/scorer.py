@@ -1,6 +1,6 @@
 """Pile sweeping's success scorer: the share of pieces inside the goal region, read from a frame.
 
-A piece is drawn orange (red minus blue 255 at its ring, 128 at its lighter centre) on a background whose red
+A piece is drawn orange (red minus blue 255 on its ring and on its lighter centre) on a background whose red
 minus blue is 0 (white, the goal's light green) or negative (the blue agent). Red minus blue is linear in the
 colour, so the cv2 resize that blends a piece into its background keeps its sum: each piece adds the same
 "mass" to the frame wherever it sits (within a few percent, from pygame's whole-pixel circles). The piece

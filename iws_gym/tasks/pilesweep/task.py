@@ -110,6 +110,13 @@ def second_scorer():
     return None
 
 
+def checks():
+    """The frame checks of `iws eval stability` (validity envelope, whole object, still-world drift)."""
+    from iws_gym.tasks.pilesweep import checks as c
+
+    return c
+
+
 def versions() -> dict:
     from importlib.metadata import version
 

@@ -114,6 +114,13 @@ def second_scorer():
     return TPushCoverageScorer(method="pose")
 
 
+def checks():
+    """The frame checks of `iws eval stability` (validity envelope, whole object, still-world drift)."""
+    from iws_gym.tasks.pusht import checks as c
+
+    return c
+
+
 def versions() -> dict:
     """Versions of the ground truth, recorded with each collection."""
     return {"gym_pusht_version": _version("gym-pusht")}
