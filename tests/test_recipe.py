@@ -95,3 +95,21 @@ def test_gpu_study_script_runs_at_toy_scale_on_a_cpu(tmp_path):
         r = json.loads((tmp_path / "work" / "release" / n / "fidelity_val_h64.json").read_text())
         assert "t_whole_share" in r["summary"]["model"]
         assert json.loads((tmp_path / "work" / f"s2_{n}" / "train_result.json").read_text())["time_budget_spent"]
+
+
+@pytest.mark.slow
+def test_issue36_table_script_runs_at_toy_scale(tmp_path):
+    """scripts/issue36_table.sh: every row's command on a compact release, each report written once (a rerun
+    skips what exists)."""
+    rel = tmp_path / "compact"
+    run_iws("train", "recipe", "--out", rel, "--design", "compact", *TINY[:-2])
+    env = {**os.environ, "IWS_T36_SCALE": "tiny", "IWS": f"{os.sys.executable} -m iws_gym.cli", "PYTHON": os.sys.executable}
+    out = tmp_path / "reports"
+    cmd = ["bash", str(ROOT / "scripts/issue36_table.sh"), str(rel / "release"), "t", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = {"fidelity_48", "fidelity_16", "stability_1000x16", "correlate_32", "correlate_whole_range", "bench",
+             "bench_shipped", "contact_starts"}
+    assert {f"t_{n}.json" for n in names} <= {p.name for p in out.iterdir()}
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("skip ") == 6
