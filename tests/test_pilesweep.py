@@ -288,3 +288,29 @@ def test_stability_checks_the_pile(tiny_pile_release, tmp_path):
     r = json.loads(out.read_text())
     assert r["pieces_whole"]["count"] == N_PIECES and "pieces_whole_share" in r["rollouts"]["random"]
     assert "coverage_drift_max" in r["rollouts"]["hold"]["still_world"]
+
+
+def test_a_smeared_pile_is_not_whole():
+    """Blur keeps the ink, so the count alone passes a smear; the sharpness of the ink does not."""
+    import cv2
+
+    from iws_gym.tasks.pilesweep import checks
+    from iws_gym.tasks.pilesweep.scorer import SHARP_MIN, ink_sharpness
+    from iws_gym.tasks.pilesweep.task import readings
+
+    env = make_env()
+    frames, pieces, cover = [], [], []
+    for seed in range(3):
+        for obs, info in _drive(env, 50 + seed, 60)[::10]:
+            frames.append(obs["pixels"])
+            pieces.append(info["pieces"])
+            cover.append(info["coverage"])
+    frames = np.stack(frames)
+    blurred = np.stack([cv2.GaussianBlur(f, (0, 0), 1.0) for f in frames])
+    sharp, smear = [ink_sharpness(f) for f in frames], [ink_sharpness(f) for f in blurred]
+    assert 0.8 <= min(sharp) and max(sharp) <= 0.95 and max(smear) < 0.5 < SHARP_MIN
+    ep = {"pieces": np.stack(pieces), "coverage": np.array(cover)}
+    assert readings(frames, ep)["pieces_whole"].all() and not readings(blurred, ep)["pieces_whole"].any()
+    assert np.abs(readings(blurred, ep)["pieces_err"]).max() < 0.05  # the count alone would have passed them
+    whole = checks.calibrate_whole(frames)
+    assert all(checks.is_whole(f, whole) for f in frames) and not any(checks.is_whole(f, whole) for f in blurred)

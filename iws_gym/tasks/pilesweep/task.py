@@ -67,7 +67,8 @@ def heldout_plan(behaviour: str, seed: int, steps: int):
     return [("wander", Wander(np.random.default_rng(seed)), steps)]
 
 
-READING_KEYS = ("pieces_err", "coverage")  # per frame: |pieces read - true count| / count, |coverage read - true|
+READING_KEYS = ("pieces_err", "coverage", "ink_sharpness")  # per frame: |pieces read - true count| / count,
+# |coverage read - true|, and the share of the ink drawn as whole pucks (scorer.ink_sharpness)
 WHOLE_TOL = 0.05  # a frame keeps the pile whole when the piece count read from it is within 5% of the truth (issue 35)
 WHOLE_RULE = dict(tol=WHOLE_TOL, rule="the piece count read from the frame (PileCoverageScorer: its orange ink over one "
                                       "piece's) within tol of the true count")
@@ -76,14 +77,15 @@ WHOLE_RULE = dict(tol=WHOLE_TOL, rule="the piece count read from the frame (Pile
 def readings(pred: np.ndarray, ep: dict) -> dict:
     """Per-step readings of predicted frames against an episode's true pieces (evaluation/fidelity.py), and
     `pieces_whole`: 1 where the count read is within WHOLE_TOL of the truth."""
-    from iws_gym.tasks.pilesweep.scorer import PileCoverageScorer
+    from iws_gym.tasks.pilesweep.scorer import SHARP_MIN, PileCoverageScorer, ink_sharpness
 
     scorer = PileCoverageScorer(frame_size=pred.shape[1])
     read = np.array([scorer.read(f) for f in pred])  # (T+1, 2): coverage, count
+    sharp = np.array([ink_sharpness(f) for f in pred])
     n = ep["pieces"].shape[1]
     err = np.abs(read[:, 1] - n) / n
-    return {"pieces_err": err, "coverage": np.abs(read[:, 0] - ep["coverage"][: len(pred)]),
-            "pieces_whole": (err <= WHOLE_TOL).astype(np.float64)}
+    return {"pieces_err": err, "coverage": np.abs(read[:, 0] - ep["coverage"][: len(pred)]), "ink_sharpness": sharp,
+            "pieces_whole": ((err <= WHOLE_TOL) & (sharp >= SHARP_MIN)).astype(np.float64)}
 
 
 def rerender(ep: dict, horizon: int, frame_size: int) -> np.ndarray:
