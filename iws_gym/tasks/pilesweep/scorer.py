@@ -18,8 +18,8 @@ from iws_gym.tasks.scoring import Score
 # (`calibrate_piece_mass(400, seed=1)`; a test re-measures it on other places)
 PIECE_MASS_128 = 4916.3
 # Ink is conserved by blur too, so the count alone cannot tell drawn pucks from an orange smear. A pixel wholly
-# inside a puck has the full 255; on real frames 86-89% of the ink lies in pixels of >= SHARP_INK, on the same
-# frames blurred by one pixel (Gaussian sigma 1) 31-40% (tests/test_pilesweep.py measures both). Whole pucks:
+# inside a puck has the full 255; on real frames 80-95% of the ink lies in pixels of >= SHARP_INK, on the same
+# frames blurred by one pixel (Gaussian sigma 1) under 50% (tests/test_pilesweep.py checks both). Whole pucks:
 # a share >= SHARP_MIN.
 SHARP_INK, SHARP_MIN = 200.0, 0.75
 
