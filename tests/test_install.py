@@ -58,13 +58,15 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
                    check=True, capture_output=True, timeout=600)
     code = ("import gymnasium as gym, numpy as np, iws_gym; print(iws_gym.__file__); "
             "env = gym.make('IWS-TPushing-v0'); obs, _ = env.reset(seed=0); "
-            "obs, r, *_ = env.step(np.array([256.0, 256.0], np.float32)); print(obs['pixels'].shape, float(r))")
+            "obs, r, *_ = env.step(np.array([256.0, 256.0], np.float32)); print(obs['pixels'].shape, float(r)); "
+            "g = gym.make('iws_gym/PileSweepPymunk-v0'); g.reset(seed=0); print(len(g.step(np.array([99.0, 99.0]))[0]))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "IWS_CHECKPOINTS")}
     out = subprocess.run([str(py), "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith(site), f"iws_gym imported from {lines[0]}, not the installed wheel in {site}"
     assert lines[1].startswith("(128, 128, 3)")
+    assert lines[2] == "82"  # the second task's ground truth travels in the wheel too: agent + 40 pucks
     cli = subprocess.run([str(venv / "bin" / "iws"), "eval", "fidelity", "--help"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env=env)
     assert cli.returncode == 0 and "--split" in cli.stdout
