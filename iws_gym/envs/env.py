@@ -1,7 +1,8 @@
-"""WorldSimEnv: the learned T-pushing world as a Gymnasium environment.
+"""WorldSimEnv: a learned world (T pushing, or any task of iws_gym/tasks) as a Gymnasium environment.
 
 ## Description
-A learned simulator of gym-pusht's Push-T. `reset()` encodes a real initial frame into the latent
+A learned simulator of a task's ground truth (`IWS-TPushing-v0`: gym-pusht's Push-T; `IWS-PileSweeping-v0`:
+tasks/pilesweep's pymunk piles). `reset()` encodes a real initial frame into the latent
 space of the world model; `step(action)` denoises the next latent with the latent consistency
 dynamics (rolling, slightly noised context of K latents) and decodes a 128x128 RGB frame with the
 consistency decoder. Reward and success are read from the predicted frame by a pluggable scorer.
@@ -17,13 +18,15 @@ convention). Out-of-range actions are clipped to the box; wrong shapes, NaN or i
 `observation_width/height` resize the returned frame (LeRobot's Push-T policies take 96x96).
 
 ## Rewards
-`reward = clip(coverage / 0.95, 0, 1)` with coverage read from the frame by the scorer.
+`reward = clip(coverage / 0.95, 0, 1)` with coverage read from the frame by the scorer (the task's default
+scorer; pile sweeping: the share of pucks in the goal, over 0.9).
 
 ## Starting state
 A real frame: by default drawn (seeded) from held-out ground-truth starts (gym-pusht resets with seeds
 in the held-out range, never seen in training); `options["initial_frame"]` (H x W x 3 uint8 RGB) with
-optional `options["agent_pos"]`; or `options["reset_to_state"]` ([agent x, y, block x, y, angle]),
-rendered by gym-pusht's own renderer so one policy can start identically in both worlds.
+optional `options["agent_pos"]`; or `options["reset_to_state"]` (the task's state vector: T pushing
+[agent x, y, block x, y, angle], pile sweeping [agent x, y, puck 1 x, y, ...]), rendered by the ground truth's
+own renderer so one policy can start identically in both worlds.
 
 ## Action chunks
 `env.unwrapped.step_chunk(actions (k, 2))` runs k steps in one call (identical to k `step` calls).
@@ -35,7 +38,8 @@ Calibrated per release against gym-pusht (`iws eval trust`); an episode whose `t
 0.5 is untrusted.
 
 ## Episode end
-`terminated = is_success = coverage > 0.95`; truncation by TimeLimit (300 steps via gym.make).
+`terminated = is_success` as the scorer decides it (T pushing: coverage > 0.95); truncation by TimeLimit (via
+gym.make: 300 steps for T pushing, 400 for pile sweeping).
 
 ## Arguments
 `obs_type`, `render_mode` ("rgb_array" | "human"), `observation_width`, `observation_height`,
