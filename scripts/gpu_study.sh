@@ -54,7 +54,7 @@ VARIANTS=("${CHOSEN[@]}")
 # IWS_STUDY_EVAL=0: no evaluations here (run them elsewhere); the whole budget trains
 [ "${IWS_STUDY_EVAL:-1}" = 0 ] && EVAL_TIMEOUT=0
 # the shipped recipe's data options (docs/training.md; `iws train recipe` holds them), common to every variant
-read -ra COMMON <<< "$(python3 -c 'from iws_gym.training.recipe import STAGE2_RECIPE; print(*STAGE2_RECIPE)')"
+read -ra COMMON <<< "$(python3 -c 'from iws_gym.tasks.pusht.task import STAGE2_OPTIONS; print(*STAGE2_OPTIONS)')"
 WORKERS=$(nproc)
 export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
 

@@ -314,3 +314,18 @@ def test_a_smeared_pile_is_not_whole():
     assert np.abs(readings(blurred, ep)["pieces_err"]).max() < 0.05  # the count alone would have passed them
     whole = checks.calibrate_whole(frames)
     assert all(checks.is_whole(f, whole) for f in frames) and not any(checks.is_whole(f, whole) for f in blurred)
+
+
+def test_spatial_recipe_runs_on_piles(tmp_path):
+    """The spatial design's recipe takes its stage-2 options from the task: no window chosen or re-rendered by a
+    T's pose, which a pile has not."""
+    import json
+
+    from tests.conftest import run_iws
+
+    out = tmp_path / "spatial"
+    run_iws("train", "recipe", "--task", "pilesweeping", "--out", out, "--scale", "tiny", "--episodes", 3,
+            "--episode-steps", 16, "--stage1-steps", 4, "--stage2-steps", 4, "--eval-every", 2)
+    cmd = json.loads((out / "recipe.json").read_text())["steps"]["stage2"]["command"]
+    assert "--agent-track" in cmd and "--focus" not in cmd and "--corrupt-block" not in cmd
+    assert (out / "release" / "stage2.safetensors").is_file()

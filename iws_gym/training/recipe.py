@@ -78,9 +78,8 @@ class RecipeArgs:
                                              "released as they are when its share runs out")
 
 
-# the shipped stage-2 recipe (docs/training.md): agent track, contact and fast-move windows, repair augmentations
-STAGE2_RECIPE = ["--agent-track", "--focus", "0.5", "--jump-focus", "0.3", "--drop-agent", "0.2",
-                 "--corrupt-block", "0.2"]
+# the spatial design's stage-2 options come from the task (STAGE2_OPTIONS of its module: T pushing's shipped
+# recipe focuses on and re-renders windows by the T's pose; a pile has no such pose)
 
 
 def _finished(run: Path, steps: int) -> bool:
@@ -162,7 +161,7 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         ("stage1", r.stage1_steps, ["--lr", r.stage1_lr, "--batch", sc["stage1"]["batch"], "--preset", sc["stage1"]["preset"],
                                     "--crop", sc["stage1"]["crop"]], 0.4),
         ("stage2", r.stage2_steps, ["--lr", r.stage2_lr, "--batch", sc["stage2"]["batch"], "--preset", sc["stage2"]["preset"],
-                                    "--init", out / "stage1", "--objective", r.objective, *STAGE2_RECIPE], 1.0),
+                                    "--init", out / "stage1", "--objective", r.objective, *task.module.STAGE2_OPTIONS], 1.0),
     ]
     for name, steps, flags, share in stages:
         run = out / name

@@ -180,9 +180,10 @@ class Stage(StageBase):
         lat = LatentEpisodes(eps, self.stage1.encoder, device, amp=a.amp,
                              cache=latent_cache(data, self.stage1_file, len(eps.frames)))
         poses = []
-        if o.focus > 0 or o.drop_agent > 0 or o.corrupt_block > 0 or o.agent_track:  # recorded states
-            states = [read_episode(p, keys=("block_pose", "agent_pos")) for p in eps.paths]
-            poses = [s["block_pose"] for s in states]
+        rigid = o.focus > 0 or o.drop_agent > 0 or o.corrupt_block > 0  # options that read (and re-render) the T's pose
+        if rigid or o.agent_track:  # recorded states
+            states = [read_episode(p, keys=("block_pose", "agent_pos") if rigid else ("agent_pos",)) for p in eps.paths]
+            poses = [s["block_pose"] for s in states] if rigid else []
             if o.agent_track:  # the agent's position is proprioception (gym-pusht's agent_pos), not hidden state
                 lat.agent = [s["agent_pos"] for s in states]
             if o.drop_agent > 0:
@@ -205,6 +206,13 @@ class Stage(StageBase):
         if cfg.agent_motion:
             self.held.agent = [e["agent_pos"] for e in held_eps]
         self.eval_batch = self.held.sample(np.random.default_rng(0), 64, cfg.context)
+        # open-loop evaluation: rollouts from a single real frame, as the env runs them
+        self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
+        self._eval_hold(held_eps)
+        self.eval_moving = self.eval_no_agent = self.eval_corrupt = None
+        if "block_pose" not in held_eps[0]:  # a task without a rigid block (piles): no windows chosen by its pose
+            self.held.hard = np.zeros((0, 2), np.int64)
+            return
         # ... windows whose target transition moves the block (contact: where the error concentrates)
         self.held.hard = moving_transitions([e["block_pose"] for e in held_eps])
         ctx, act, tgt, nv, ag = self.held.sample_rollout(np.random.default_rng(2), 64, cfg.context, 0, focus=1.0)
@@ -218,8 +226,9 @@ class Stage(StageBase):
                                                       self.stage1.encoder, device, self.a.amp,
                                                       frame_size=cfg1.encoder.frame_size, seed=1)
         self.eval_corrupt = self.held.sample(np.random.default_rng(4), 64, cfg.context, corrupt_all=True)
-        # open-loop evaluation: rollouts from a single real frame, as the env runs them
-        self.eval_rollout = self.held.sample_rollout(np.random.default_rng(1), 32, cfg.context, self.EVAL_DEPTH - 1)
+
+    def _eval_hold(self, held_eps):
+        cfg = self.config
         # a still world: each held-out episode's first frame (gym-pusht resets at rest), the agent told to hold
         # its position; nothing may move (with an agent track only: holding needs the agent's position)
         self.eval_hold = None
@@ -259,6 +268,8 @@ class Stage(StageBase):
             out["sample_variance_block_moving"] = st["sample_variance"]
         # contexts a rollout produces: the agent faded out / the block faded or ghosted
         for name, windows in (("no_agent", self.eval_no_agent), ("corrupt_block", self.eval_corrupt)):
+            if windows is None:  # a task without a rigid block
+                continue
             ctx, act, tgt, nv, ag = self._to(windows)
             pred = ema.predict(ctx, act, nv, ag, generator=torch.Generator().manual_seed(0))
             out[f"latent_mse_1step_{name}"] = (pred - tgt).pow(2).mean().item()

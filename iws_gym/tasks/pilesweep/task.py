@@ -13,6 +13,9 @@ from iws_gym.tasks.pilesweep.groundtruth import N_PIECES, make_env, render_state
 
 STATE_SIZE, STATE_DOC = 2 + 2 * N_PIECES, f"[agent x, y, piece 1 x, y, ..., piece {N_PIECES} x, y]"
 
+# the spatial stage 2's options in `iws train recipe`: the agent track and windows where the agent jumps (the
+# block-pose options of T pushing have no object to read)
+STAGE2_OPTIONS = ["--agent-track", "--jump-focus", "0.3"]
 MIXES = ("play", "random", "expert")
 PLAY_BEHAVIOURS = ("mix", "unseen", "random")
 HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)

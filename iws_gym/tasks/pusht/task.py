@@ -15,6 +15,10 @@ from iws_gym.tasks.pusht.groundtruth import get_state, make_env, render_state, r
 
 SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner"]  # append only: files store indices
 STATE_SIZE, STATE_DOC = 5, "[agent x, y, block x, y, angle]"  # get_state's vector, as gym-pusht's reset_to_state
+# the spatial stage 2's options in `iws train recipe` (docs/training.md): agent track, windows where the block moves
+# or the agent jumps, the agent erased and the block corrupted in re-renders of the T's pose
+STAGE2_OPTIONS = ["--agent-track", "--focus", "0.5", "--jump-focus", "0.3", "--drop-agent", "0.2",
+                  "--corrupt-block", "0.2"]
 MIXES = ("play", "jittery", "random", "expert", "intervention")
 PLAY_BEHAVIOURS = ("mix", "unseen", "jittery", "random")  # scripted play and its variants (the trust calibration's)
 HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
