@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from iws_gym.tasks.pilesweep.groundtruth import AGENT_RADIUS, CANVAS, GOAL_BOX, PIECE_RADIUS, inside_goal
+from iws_gym.tasks.pilesweep.groundtruth import AGENT_RADIUS, CANVAS, GOAL_BOX, PIECE_RADIUS
 
 GOAL_CENTRE = np.array([(GOAL_BOX[0] + GOAL_BOX[2]) / 2, (GOAL_BOX[1] + GOAL_BOX[3]) / 2])
 CONTACT = AGENT_RADIUS + PIECE_RADIUS
@@ -116,39 +116,6 @@ class Sweeper(Behaviour):
         return _clip(a)
 
 
-def _crosses_box(a, b, box) -> bool:
-    """Does the segment a-b pass through the box (x0, y0, x1, y1)? (Liang-Barsky clipping)"""
-    d, t0, t1 = b - a, 0.0, 1.0
-    for p, q in ((-d[0], a[0] - box[0]), (d[0], box[2] - a[0]), (-d[1], a[1] - box[1]), (d[1], box[3] - a[1])):
-        if p == 0:
-            if q < 0:
-                return False
-        else:
-            t = q / p
-            t0, t1 = (max(t0, t), t1) if p < 0 else (t0, min(t1, t))
-    return t0 <= t1
-
-
-PAD = AGENT_RADIUS + 8  # the agent keeps this far from the goal region when going around it
-
-
-def _in_padded_goal(xy) -> bool:
-    x0, y0, x1, y1 = GOAL_BOX
-    return bool(x0 - PAD < xy[0] < x1 + PAD and y0 - PAD < xy[1] < y1 + PAD)
-
-
-def _around_goal(agent, target, pad: float = PAD):
-    """The next waypoint from `agent` to `target` that keeps the agent out of the goal region: `target` if
-    the straight path is clear, else the padded corner that makes the shortest detour."""
-    box = (GOAL_BOX[0] - pad, GOAL_BOX[1] - pad, GOAL_BOX[2] + pad, GOAL_BOX[3] + pad)
-    if _in_padded_goal(agent) or not _crosses_box(agent, target, box):
-        return target
-    corners = np.array([[box[0] - 4, box[1] - 4], [box[2] + 4, box[1] - 4], [box[2] + 4, box[3] + 4], [box[0] - 4, box[3] + 4]])
-    cost = np.linalg.norm(corners - agent, axis=1) + np.linalg.norm(corners - target, axis=1)
-    cost += [1e6 * _crosses_box(agent, c, box) for c in corners]  # a corner reached without crossing the box
-    return corners[np.argmin(cost)]
-
-
 def _around_pile(agent, target, step: float = 70.0):
     """The next waypoint from `agent` to the start of a stroke, `target`, going around the goal's centre on the
     circle through `target`: the sweeper takes the piece farthest from the goal first, so no piece lies
@@ -235,8 +202,3 @@ def sample_episode_plan(rng: np.random.Generator, steps: int):
         plan.append((names[i], SEGMENT_MIX[i][2](rng), n))
         left -= n
     return plan
-
-
-def state_inside(state) -> np.ndarray:
-    """(N,) bool: which pieces of a state vector are inside the goal region."""
-    return inside_goal(_split(state)[1])
