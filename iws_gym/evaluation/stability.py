@@ -36,8 +36,6 @@ from iws_gym.envs.registry import TaskConfig
 from iws_gym.tasks.pusht import checks as PUSHT  # the default checks of the helpers below (T pushing's)
 from iws_gym.tasks.pusht.pose import inside_share  # noqa: F401  (re-exported for the tests)
 
-PALETTE, RANGED = PUSHT.PALETTE, PUSHT.RANGED
-
 
 def frame_stats(frame: np.ndarray, checks=PUSHT) -> dict:
     """Statistics of one (H, W, 3) uint8 frame that the validity checks use (the task's checks.py)."""

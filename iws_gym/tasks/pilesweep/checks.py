@@ -44,8 +44,8 @@ def calibrate_whole(frames: np.ndarray) -> dict:
 
 
 def is_whole(frame: np.ndarray, whole: dict) -> bool:
-    s = frame_stats(frame)
-    return bool(abs(s["pieces"] - whole["count"]) <= whole["tol"] * whole["count"] and s["sharpness"] >= whole["sharp_min"])
+    pieces = PileCoverageScorer(frame.shape[0]).read(frame)[1]  # only the count and the sharpness, not every statistic
+    return bool(abs(pieces - whole["count"]) <= whole["tol"] * whole["count"] and ink_sharpness(frame) >= whole["sharp_min"])
 
 
 def still_drift(frame: np.ndarray, first: np.ndarray) -> float:
