@@ -108,7 +108,7 @@ def cmd_eval_stability(a):
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
                     seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=_reencode(a),
                     reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps,
-                    drives=a.drives), a.json)
+                    drives=a.drives, ground_truth=a.ground_truth), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -425,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--drives", type=int, default=1,
                     help="rollouts of each kind, stepped together, each from its own held-out start (and its own "
                          "random targets or scripted episodes): the shares pool them, per_drive lists each")
+    es.add_argument("--ground-truth", action="store_true",
+                    help="also run the random and scripted drives in the ground truth (same starts, same actions): "
+                         "whole shares of the real frames and of stage 1's round trip of them (the ceiling), and "
+                         "the model's object error against the truth per tenth of the drive")
     es.add_argument("--device", default="auto")
     es.add_argument("--reencode", default=None, action=argparse.BooleanOptionalAction,
                     help="encode each decoded frame back into the context (default: the release's; the spatial "

@@ -6,8 +6,9 @@
 #   IWS_T36_SCALE=tiny scripts/issue36_table.sh RELEASE PREFIX OUTDIR   # the same commands at toy scale (tests)
 #
 # Rows: open loop on the 48 set4 episodes and on the README's 16 test episodes (paired with the shipped weights'
-# rerun, reports/fidelity_stage2_rerun.json), 16 drives of 1,000 steps of each kind, the 10-policy study on 32
-# starts, issue 33's whole-range study, the bench against the shipped weights (back to back), the contact
+# rerun, reports/fidelity_stage2_rerun.json), 16 drives of 1,000 steps of each kind (replayed in gym-pusht too:
+# stage 1's ceiling and the T's place), the 10-policy study on 32
+# starts (after the trust calibration, issue 34), issue 33's whole-range study, the bench against the shipped weights (back to back), the contact
 # starts. A row whose report exists is skipped, so rerunning after an interruption continues. One thread per
 # command; run it alone on 2 cores, or beside one other job.
 set -euo pipefail
@@ -19,9 +20,9 @@ PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SDL_VIDEODRIVER=dummy
 S=checkpoints/tpushing/policies/suite
 if [ "${IWS_T36_SCALE:-full}" = tiny ]; then
-  E48=2 E16=2 H=8 STEPS=20 DRIVES=2 E32=2 H32=4 EW=2 HW=4 BENCH="--steps 5 --batch-sizes 1 --batch-steps 2 --rollout-steps 4" CS=1 CAL="--calib-episodes 1 --calib-steps 10"
+  E48=2 E16=2 H=8 STEPS=20 DRIVES=2 E32=2 H32=4 EW=2 HW=4 BENCH="--steps 5 --batch-sizes 1 --batch-steps 2 --rollout-steps 4" CS=1 CAL="--calib-episodes 1 --calib-steps 10" ET=2 HT=6 FIT=""  # an untrained toy model loses every block: nothing to fit
 else
-  E48=48 E16=16 H=192 STEPS=1000 DRIVES=16 E32=32 H32=120 EW=16 HW=300 BENCH="--steps 300 --batch-sizes 1 8 --batch-steps 10 --rollout-steps 100" CS=16 CAL=""
+  E48=48 E16=16 H=192 STEPS=1000 DRIVES=16 E32=32 H32=120 EW=16 HW=300 BENCH="--steps 300 --batch-sizes 1 8 --batch-steps 10 --rollout-steps 100" CS=16 CAL="" ET=16 HT=120 FIT="--fit --fit-episodes 16"
 fi
 mkdir -p "$OUT"
 run() {  # REPORT COMMAND...: run COMMAND unless REPORT exists
@@ -38,7 +39,11 @@ if [ "${IWS_T36_SCALE:-full}" != tiny ]; then
     --json "$OUT/${P}_vs_shipped_16.json"
 fi
 run "$OUT/${P}_stability_1000x16.json" $IWS eval stability --checkpoint "$R" --steps $STEPS --check-every 10 \
-  --drives $DRIVES --actions random scripted hold $CAL --json "$OUT/${P}_stability_1000x16.json"
+  --drives $DRIVES --actions random scripted hold --ground-truth $CAL --json "$OUT/${P}_stability_1000x16.json"
+# the trust signal's calibration (issue 34) is written into the release first, so the studies below report
+# their trusted-only figures with it
+run "$OUT/${P}_trust.json" $IWS eval trust --checkpoint "$R" $FIT --episodes $ET --steps $HT \
+  --plot "$OUT/${P}_trust.png" --json "$OUT/${P}_trust.json"
 run "$OUT/${P}_correlate_32.json" $IWS eval correlate --checkpoint "$R" --episodes $E32 --horizon $H32 --workers 1 \
   --plot "$OUT/${P}_correlate_32.png" --json "$OUT/${P}_correlate_32.json"
 run "$OUT/${P}_correlate_whole_range.json" $IWS eval correlate --checkpoint "$R" --episodes $EW --horizon $HW --workers 1 \

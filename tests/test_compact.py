@@ -166,6 +166,11 @@ def test_eval_commands_use_the_release_default_of_no_reencoding(compact, tmp_pat
     run_iws("eval", "stability", "--checkpoint", compact, "--steps", 4, "--check-every", 2, "--actions", "hold",
             "--calib-episodes", 1, "--calib-steps", 5, "--reencode", "--json", tmp_path / "s2.json")
     assert json.loads((tmp_path / "s2.json").read_text())["reencode"] is True
+    # the ground-truth replay: stage 1's round trip draws the agent where the real frames have it
+    run_iws("eval", "stability", "--checkpoint", compact, "--steps", 4, "--check-every", 2, "--actions", "random",
+            "--calib-episodes", 1, "--calib-steps", 5, "--ground-truth", "--json", tmp_path / "s3.json")
+    g = json.loads((tmp_path / "s3.json").read_text())["rollouts"]["random"]["ground_truth"]
+    assert g["real_whole_share"] == 1.0 and 0 <= g["stage1_whole_share"] <= 1 and "block_px_median" in g
 
 
 def test_trust_is_the_denoisers_correction_and_free(compact, tmp_path):

@@ -108,8 +108,8 @@ def test_issue36_table_script_runs_at_toy_scale(tmp_path):
     cmd = ["bash", str(ROOT / "scripts/issue36_table.sh"), str(rel / "release"), "t", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    names = {"fidelity_48", "fidelity_16", "stability_1000x16", "correlate_32", "correlate_whole_range", "bench",
+    names = {"fidelity_48", "fidelity_16", "stability_1000x16", "trust", "correlate_32", "correlate_whole_range", "bench",
              "bench_shipped", "contact_starts"}
     assert {f"t_{n}.json" for n in names} <= {p.name for p in out.iterdir()}
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("skip ") == 6
+    assert again.returncode == 0 and again.stdout.count("skip ") == 7

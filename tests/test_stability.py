@@ -107,6 +107,36 @@ def test_stability_drives_are_stepped_together_and_reported_each(tiny_checkpoint
     assert proc.returncode == 2 and "--drives" in proc.stderr
 
 
+def test_ground_truth_replays_the_drives_and_measures_the_ceiling(tiny_checkpoint, tmp_path):
+    """--ground-truth: the same drives in gym-pusht; real frames are whole, an untrained stage 1's round trip of
+    them is not (the ceiling is measured, not assumed), and the model's frames are read against the truth."""
+    out = tmp_path / "stab.json"
+    run_iws("eval", "stability", "--checkpoint", tiny_checkpoint, "--steps", 6, "--check-every", 3, "--drives", 2,
+            "--calib-episodes", 2, "--calib-steps", 20, "--json", out, "--actions", "random", "scripted", "hold",
+            "--ground-truth")
+    r = json.loads(out.read_text())
+    assert "ground_truth" not in r["rollouts"]["hold"]  # held still, the truth is the start frame
+    for kind in ("random", "scripted"):
+        g = r["rollouts"][kind]["ground_truth"]
+        assert g["real_whole_share"] == 1.0 and g["stage1_whole_share"] == 0.0
+        assert len(g["block_px_median_by_tenth"]) == 6 and 0 <= g["block_px_missing"] <= 1  # a part per step here
+        assert g["agent_px_median"] is None or g["agent_px_median"] >= 0
+
+
+def test_ground_truth_drives_start_where_the_model_does():
+    from iws_gym.data.splits import split_offset
+    from iws_gym.evaluation.stability import drive_actions, ground_truth_drives
+
+    task = load_task("tpushing")
+    eps = list(heldout_episodes(task, 3, 50, "stability_calibration"))  # the third one's start is chosen by the mix
+    seeds = task.heldout_seed_base + split_offset("stability_calibration") + np.arange(3)
+    acts = drive_actions("scripted", task, 4, 0, [ep["agent_pos"][0] for ep in eps])
+    real, truth = ground_truth_drives(task, seeds, np.stack([ep["frames"][0] for ep in eps]), acts, [2, 4])
+    assert real.shape == (3, 2, 128, 128, 3) and truth[0]["block_pose"].shape == (2, 3)
+    with pytest.raises(RuntimeError, match="start frame"):
+        ground_truth_drives(task, seeds[1:], eps[0]["frames"][:1], acts, [2])
+
+
 def test_drives_get_their_own_actions():
     from iws_gym.evaluation.stability import drive_actions
 

@@ -63,17 +63,23 @@ def _module(task: TaskConfig | None):
     return task.module
 
 
+def reset_episode(task: TaskConfig, env, seed: int, steps: int, plan=None):
+    """Reset `env` where `collect_episode(task, seed, steps, plan=plan)` starts (the play mix may choose the
+    start): returns the first observation, info and the plan."""
+    options = None
+    if plan is None:
+        plan, options = task.module.play_plan(np.random.default_rng(seed), steps)
+    obs, info = env.reset(seed=seed, options=options)
+    return obs, info, plan
+
+
 def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None, plan=None) -> dict:
     """One episode of scripted play from seed `seed`. Returns the arrays of `data.episodes.ARRAYS` that the
     task records, plus 'plan'. `plan` ([(name, behaviour, n_steps), ...]) overrides the sampled play mix."""
     gt = task.module
     steps = steps or task.episode_steps
     env = env or gt.make_env(task.frame_size)
-    rng = np.random.default_rng(seed)
-    options = None
-    if plan is None:
-        plan, options = gt.play_plan(rng, steps)
-    obs, info = env.reset(seed=seed, options=options)
+    obs, info, plan = reset_episode(task, env, seed, steps, plan)
     rec = {"frames": [obs["pixels"]], "agent_pos": [obs["agent_pos"]]}
     for k, v in gt.observe(env, info).items():
         rec[k] = [v]

@@ -22,6 +22,13 @@ too narrow an envelope), and the checks are themselves checked: the report's `fa
 second, disjoint set of real frames that they reject. It also gives the first step where any check fails (null
 if none), the fraction of failing checks per kind, the share of frames whose object is whole (T: `t_whole`;
 piles: `pieces_whole`) and a strip of frames across the rollout.
+
+With `ground_truth=True` the random and scripted drives are also run in the ground truth, from the same starts
+under the same actions (`ground_truth_drives`), and each kind's report gains `ground_truth`: the share of real
+frames whose object is whole (the check's own false alarm on these drives), the same share for stage 1's round
+trip of those real frames (decode(encode(real)): the ceiling no dynamics can beat, since the rollout's frames are
+decoded latents), and the task's readings of the model's frames against the true state (T: block and agent
+pose error, per tenth of the drive), which say where the model's object is, not only whether it is whole.
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from iws_gym.data.collect import heldout_episodes
+from iws_gym.data.collect import heldout_episodes, reset_episode
+from iws_gym.data.splits import split_offset
 from iws_gym.envs.registry import TaskConfig
 from iws_gym.tasks.pusht import checks as PUSHT  # the default checks of the helpers below (T pushing's)
 from iws_gym.tasks.pusht.pose import inside_share  # noqa: F401  (re-exported for the tests)
@@ -94,6 +102,7 @@ def false_alarms(frames: np.ndarray, envelope: dict, checks=PUSHT) -> dict:
 
 
 ACTION_KINDS = ("random", "scripted", "hold")
+START_STEPS = 50  # the held-out episodes (split stability_calibration) whose first frames start the drives
 
 
 def drive_actions(kind: str, task: TaskConfig, steps: int, seed: int, start_agents, rngs=None) -> np.ndarray:
@@ -113,12 +122,74 @@ def drive_actions(kind: str, task: TaskConfig, steps: int, seed: int, start_agen
     raise ValueError(f"action kind must be one of {', '.join(ACTION_KINDS)}, got {kind!r}")
 
 
+def ground_truth_drives(task: TaskConfig, seeds, first: np.ndarray, actions: np.ndarray, check_at,
+                        start_steps: int | None = None) -> tuple:
+    """The drives in the ground truth: drive i reset where the held-out episode of seed seeds[i] (of
+    `start_steps` steps, the training mix) starts (it must show the model's start frame first[i]) and stepped with
+    actions[i] (steps, 2). Returns the real frames at the steps `check_at`
+    (drives, checks, H, W, 3) and each drive's true state there: {"agent_pos": ..., and the task's `observe`
+    arrays}, each (checks, ...), what the task's `readings` compare frames against."""
+    from tqdm import tqdm
+
+    gt = task.module
+    start_steps = start_steps or START_STEPS
+    env = gt.make_env(task.frame_size)
+    at = set(int(t) for t in check_at)
+    frames, truth = [], []
+    for i in tqdm(range(len(seeds)), desc="ground-truth drives"):
+        obs, info, _ = reset_episode(task, env, int(seeds[i]), start_steps, gt.heldout_plan("mix", int(seeds[i]), start_steps))
+        if not np.array_equal(obs["pixels"], first[i]):
+            raise RuntimeError(f"the ground truth reset from seed {seeds[i]} does not show drive {i}'s start frame")
+        fr, rec = [], {"agent_pos": []}
+        for t in range(actions.shape[1]):
+            obs, _, _, _, info = env.step(np.asarray(actions[i, t]))
+            if t + 1 in at:
+                fr.append(obs["pixels"])
+                rec["agent_pos"].append(obs["agent_pos"])
+                for k, v in gt.observe(env, info).items():
+                    rec.setdefault(k, []).append(v)
+        frames.append(np.stack(fr))
+        truth.append({k: np.asarray(v) for k, v in rec.items()})
+    env.close()
+    return np.stack(frames), truth
+
+
+def ground_truth_figures(task: TaskConfig, wm, ck, whole: dict, model: np.ndarray, real: np.ndarray, truth: list,
+                         seg: np.ndarray, n_seg: int) -> dict:
+    """One kind's `ground_truth` figures from the model's frames and the real ones at the same checks, both
+    (drives, checks, H, W, 3), with each check's part of the drive seg (checks,) in [0, n_seg): see the module
+    docstring."""
+    D = len(model)
+    real_flat = real.reshape(-1, *real.shape[2:])
+    agent = np.concatenate([t["agent_pos"] for t in truth])
+    recon = wm.reconstruct(real_flat, agent_pos=agent)
+    reads = [task.module.readings(model[i], truth[i]) for i in range(D)]
+    keys = [k for k in task.module.READING_KEYS if k in reads[0]]
+
+    def med(v):
+        v = v[np.isfinite(v)]
+        return float(np.median(v)) if len(v) else None
+
+    out = dict(real_whole_share=float(np.mean([ck.is_whole(f, whole) for f in real_flat])),
+               stage1_whole_share=float(np.mean([ck.is_whole(f, whole) for f in recon])),
+               note="real: the ground truth's frames at the same checks; stage 1: decode(encode(real frame)), the "
+                    "ceiling of any dynamics on this stage 1; readings: the model's frames against the true state "
+                    "(median over drives and checks where the reader finds the object; missing: where it does not)")
+    for k in keys:
+        v = np.stack([r[k] for r in reads]).astype(np.float64)  # (drives, checks)
+        out[f"{k}_median"] = med(v)
+        out[f"{k}_median_by_tenth"] = [med(v[:, seg == j]) for j in range(n_seg)]
+        out[f"{k}_missing"] = float(np.isnan(v).mean())
+    return out
+
+
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
               kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
               reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200,
-              reencode_every: int | None = None, drives: int = 1) -> dict:
+              reencode_every: int | None = None, drives: int = 1, ground_truth: bool = False) -> dict:
     """`drives` rollouts of each kind at once, drive i from held-out start i (drive 0 is the one rollout of
-    `drives=1`); the shares pool every drive's checks, `per_drive` lists each drive's own."""
+    `drives=1`); the shares pool every drive's checks, `per_drive` lists each drive's own. `ground_truth`: the
+    random and scripted drives are also run in the ground truth (module docstring)."""
     from tqdm import tqdm
 
     from iws_gym.models.hardware import dtype_name
@@ -136,7 +207,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     # the first 50 steps of held-out scripted play: the first one is the rollouts' start, and every 5th frame of
     # them all is the envelope used before (episode starts only), whose false alarms the report compares
     ck = task.module.checks()
-    starts = list(heldout_episodes(task, max(calib_episodes, drives), 50, "stability_calibration"))
+    starts = list(heldout_episodes(task, max(calib_episodes, drives), START_STEPS, "stability_calibration"))
     calib = reference_frames(task, calib_episodes, calib_steps, "stability_calibration")
     envelope = calibrate(calib, checks=ck)
     whole = ck.calibrate_whole(calib)  # object permanence (T: found, of its true area, rigid; piles: the count kept)
@@ -166,6 +237,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         n_seg = min(10, steps)  # invalid share per tenth of the rollout: does it break and stay broken?
         seg_bad, seg_n, seg_whole = [0] * n_seg, [0] * n_seg, [0] * n_seg
         per_drive = [dict(checks=0, invalid=0, whole=0, first_failure_step=None) for _ in first]
+        gt_kind = ground_truth and kind != "hold"  # held still, the truth is the start frame (still_world)
+        model_frames = []  # the checked frames, kept for the ground-truth comparison
         t0 = time.time()
         for t in tqdm(range(steps), desc=f"stability ({kind}, {drives} drive{'s' * (drives > 1)})"):
             # every step is decoded when the context is re-encoded from frames; otherwise only checked ones
@@ -177,6 +250,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 if not settings.reencode:
                     frames = wm.decode_last(state, generator=gen)
                 seg = min(t * n_seg // steps, n_seg - 1)
+                if gt_kind:
+                    model_frames.append(np.asarray(frames))
                 for i, frame in enumerate(frames):
                     stats = ck.frame_stats(frame)
                     bad = failures(stats, envelope, ck)
@@ -213,6 +288,13 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             per_drive=[{f"{ck.WHOLE_KEY}_share": d["whole"] / d["checks"], "invalid_frame_fraction": d["invalid"] / d["checks"],
                         "first_failure_step": d["first_failure_step"]} for d in per_drive],
             final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
+        if gt_kind:
+            check_at = [t + 1 for t in range(steps) if (t + 1) % check_every == 0 or t + 1 == steps]
+            seeds = [task.heldout_seed_base + split_offset("stability_calibration") + i for i in range(drives)]
+            real, truth = ground_truth_drives(task, seeds, first, actions.numpy(), check_at)
+            report["rollouts"][kind]["ground_truth"] = ground_truth_figures(
+                task, wm, ck, whole, np.stack(model_frames, 1), real, truth,
+                np.minimum((np.asarray(check_at) - 1) * n_seg // steps, n_seg - 1), n_seg)
         if kind == "hold":  # the still world: object drift (T: canvas px), mean frame change (grey levels), agent area ratio
             d = np.asarray(drift)
             report["rollouts"][kind]["still_world"] = {

@@ -150,7 +150,9 @@ class WorldModel:
         return self.decode(state["ctx"][:, -1], generator=generator)
 
     def reconstruct(self, frames: np.ndarray, steps: int | None = None, seed: int | None = None,
-                    batch: int = 64) -> np.ndarray:
+                    batch: int = 64, agent_pos=None) -> np.ndarray:
+        """decode(encode(frames)); `agent_pos` is accepted for the compact design's interface and unused: this
+        stage 1 draws the agent from its latent."""
         out = [self.decode(self.encode(frames[i : i + batch]), steps, seed) for i in range(0, len(frames), batch)]
         return np.concatenate(out)
 
