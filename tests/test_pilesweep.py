@@ -284,9 +284,12 @@ def test_stability_checks_the_pile(tiny_pile_release, tmp_path):
     assert not checks.is_whole(broken, whole)
     out = tmp_path / "stab.json"
     run_iws("eval", "stability", "--task", "pilesweeping", "--checkpoint", tiny_pile_release, "--steps", 10,
-            "--check-every", 5, "--actions", "random", "hold", "--calib-episodes", 1, "--calib-steps", 10, "--json", out)
+            "--check-every", 5, "--actions", "random", "hold", "--calib-episodes", 1, "--calib-steps", 10,
+            "--ground-truth", "--json", out)
     r = json.loads(out.read_text())
     assert r["pieces_whole"]["count"] == N_PIECES and "pieces_whole_share" in r["rollouts"]["random"]
+    g = r["rollouts"]["random"]["ground_truth"]  # the drive replayed in the pile's ground truth
+    assert g["real_whole_share"] == 1.0 and {"pieces_err_median", "coverage_median_by_tenth"} <= set(g)
     assert "coverage_drift_max" in r["rollouts"]["hold"]["still_world"]
 
 
