@@ -121,6 +121,7 @@ def test_ground_truth_replays_the_drives_and_measures_the_ceiling(tiny_checkpoin
         assert g["real_whole_share"] == 1.0 and g["stage1_whole_share"] == 0.0
         assert len(g["block_px_median_by_tenth"]) == 6 and 0 <= g["block_px_missing"] <= 1  # a part per step here
         assert g["agent_px_median"] is None or g["agent_px_median"] >= 0
+        assert "stage1_block_px_median" in g  # where stage 1's own round trip puts the T
 
 
 def test_ground_truth_drives_start_where_the_model_does():

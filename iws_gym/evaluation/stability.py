@@ -164,6 +164,8 @@ def ground_truth_figures(task: TaskConfig, wm, ck, whole: dict, model: np.ndarra
     agent = np.concatenate([t["agent_pos"] for t in truth])
     recon = wm.reconstruct(real_flat, agent_pos=agent)
     reads = [task.module.readings(model[i], truth[i]) for i in range(D)]
+    C = real.shape[1]
+    reads_s1 = [task.module.readings(recon[i * C:(i + 1) * C], truth[i]) for i in range(D)]
     keys = [k for k in task.module.READING_KEYS if k in reads[0]]
 
     def med(v):
@@ -174,12 +176,14 @@ def ground_truth_figures(task: TaskConfig, wm, ck, whole: dict, model: np.ndarra
                stage1_whole_share=float(np.mean([ck.is_whole(f, whole) for f in recon])),
                note="real: the ground truth's frames at the same checks; stage 1: decode(encode(real frame)), the "
                     "ceiling of any dynamics on this stage 1; readings: the model's frames against the true state "
-                    "(median over drives and checks where the reader finds the object; missing: where it does not)")
+                    "(median over drives and checks where the reader finds the object; missing: where it does not); "
+                    "stage1_*: the same readings of the round trip")
     for k in keys:
         v = np.stack([r[k] for r in reads]).astype(np.float64)  # (drives, checks)
         out[f"{k}_median"] = med(v)
         out[f"{k}_median_by_tenth"] = [med(v[:, seg == j]) for j in range(n_seg)]
         out[f"{k}_missing"] = float(np.isnan(v).mean())
+        out[f"stage1_{k}_median"] = med(np.stack([r[k] for r in reads_s1]).astype(np.float64))
     return out
 
 
