@@ -110,6 +110,11 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
     return dict({key: np.asarray(v) for key, v in {**rec, **per_step}.items()}, plan=[(name, n) for name, _, n in plan])
 
 
+def heldout_seed(task: TaskConfig, split: str, i: int) -> int:
+    """The seed of the i-th held-out episode of a named split (data.splits)."""
+    return task.heldout_seed_base + split_offset(split) + i
+
+
 def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", first: int = 0, progress: bool = False,
                      behaviour: str = "mix"):
     """Held-out ground-truth episodes n of a named split (data.splits), from its `first`-th seed on,
@@ -124,10 +129,9 @@ def heldout_episodes(task: TaskConfig, n: int, steps: int, split: str = "test", 
     gt = task.module
     if behaviour not in gt.HELDOUT_BEHAVIOURS:
         raise ValueError(f"behaviour must be one of {gt.HELDOUT_BEHAVIOURS}, got {behaviour!r}")
-    base = split_offset(split) + first
     env = gt.make_env(task.frame_size)
     for i in tqdm(range(n), desc=f"held-out episodes ({behaviour})", disable=not progress):
-        seed = task.heldout_seed_base + base + i
+        seed = heldout_seed(task, split, first + i)
         yield collect_episode(task, seed, steps, env, plan=gt.heldout_plan(behaviour, seed, steps))
 
 

@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from iws_gym.data.collect import heldout_episodes, reset_episode
-from iws_gym.data.splits import split_offset
+from iws_gym.data.collect import heldout_episodes, heldout_seed, reset_episode
 from iws_gym.envs.registry import TaskConfig
 from iws_gym.tasks.pusht import checks as PUSHT  # the default checks of the helpers below (T pushing's)
 from iws_gym.tasks.pusht.pose import inside_share  # noqa: F401  (re-exported for the tests)
@@ -74,12 +73,10 @@ def failures(stats: dict, envelope: dict, checks=PUSHT) -> list[str]:
 def reference_frames(task: TaskConfig, episodes: int, steps: int, split: str, every: int = 5) -> np.ndarray:
     """Real frames of both drives, every `every`-th step: `episodes` of held-out scripted play and as many
     of random targets in the ground truth, from the first seeds of held-out `split` (data.splits). (B, H, W, 3) uint8."""
-    from iws_gym.data.splits import split_offset
-
     frames = [ep["frames"][every::every] for ep in heldout_episodes(task, episodes, steps, split)]
     env = task.module.make_env(task.frame_size)
     for i in range(episodes):
-        seed = task.heldout_seed_base + split_offset(split) + i
+        seed = heldout_seed(task, split, i)
         env.reset(seed=seed)
         for t, a in enumerate(drive_actions("random", task, steps, seed, [None], rngs=[np.random.default_rng(seed)])[0]):
             obs, *_ = env.step(a)
@@ -123,7 +120,7 @@ def drive_actions(kind: str, task: TaskConfig, steps: int, seed: int, start_agen
 
 
 def ground_truth_drives(task: TaskConfig, seeds, first: np.ndarray, actions: np.ndarray, check_at,
-                        start_steps: int | None = None) -> tuple:
+                        start_steps: int = START_STEPS) -> tuple:
     """The drives in the ground truth: drive i reset where the held-out episode of seed seeds[i] (of
     `start_steps` steps, the training mix) starts (it must show the model's start frame first[i]) and stepped with
     actions[i] (steps, 2). Returns the real frames at the steps `check_at`
@@ -132,7 +129,6 @@ def ground_truth_drives(task: TaskConfig, seeds, first: np.ndarray, actions: np.
     from tqdm import tqdm
 
     gt = task.module
-    start_steps = start_steps or START_STEPS
     env = gt.make_env(task.frame_size)
     at = set(int(t) for t in check_at)
     frames, truth = [], []
@@ -294,7 +290,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             final_latent_abs_max=float(latent.abs().max()), wall_s=round(time.time() - t0, 1))
         if gt_kind:
             check_at = [t + 1 for t in range(steps) if (t + 1) % check_every == 0 or t + 1 == steps]
-            seeds = [task.heldout_seed_base + split_offset("stability_calibration") + i for i in range(drives)]
+            seeds = [heldout_seed(task, "stability_calibration", i) for i in range(drives)]
             real, truth = ground_truth_drives(task, seeds, first, actions.numpy(), check_at)
             report["rollouts"][kind]["ground_truth"] = ground_truth_figures(
                 task, wm, ck, whole, np.stack(model_frames, 1), real, truth,
