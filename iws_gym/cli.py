@@ -192,7 +192,8 @@ def cmd_train_policy(a):
 def cmd_dagger(a):
     from iws_gym.data.dagger import collect_labels
 
-    _emit(collect_labels(a.policy, a.episodes, a.seed, a.out, horizon=a.horizon, beta=a.beta, task_name=a.task), a.json)
+    _emit(collect_labels(a.policy, a.episodes, a.seed, a.out, horizon=a.horizon, beta=a.beta, task_name=a.task,
+                        expert=a.expert), a.json)
 
 
 def cmd_train_bc(a):
@@ -264,11 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
     c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
-    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention"],
+    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention", "expert_markov"],
                    help="play: the task's default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive); "
                         "expert: demonstrations of the task's demonstrator (tpushing: the planning expert; pilesweeping: "
-                        "the scripted sweeper), each ending at success; intervention: --policy "
+                        "the scripted sweeper), each ending at success; expert_markov (tpushing): the planning expert "
+                        "replanning every 8 steps from the state alone, a teacher a chunked policy can imitate; intervention: --policy "
                         "acts for 10-199 steps, then the expert takes over (DAgger-style corrections; the learner's "
                         "steps are stored as segment 'learner' and never imitated). pilesweeping takes play, random, expert")
     c.add_argument("--policy", default=None, help="--mix intervention: the learner, MODULE:CALLABLE or a policy's .safetensors")
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--seed", type=int, default=230000, help="first training seed (below the held-out base)")
     dg.add_argument("--horizon", type=int, default=300)
     dg.add_argument("--beta", type=float, default=0.3, help="probability that a chunk is the expert's, not the learner's")
+    dg.add_argument("--expert", default="planning", choices=["planning", "markov"],
+                    help="the labeller: the planning expert as it demonstrates (--mix expert), or its Markov form (--mix "
+                         "expert_markov), which continues a push from beside the block instead of backing off first")
     dg.add_argument("--out", required=True, help="label file (.npz), rewritten after every episode")
     dg.add_argument("--json", default=None, help="a summary: labels, the episodes' scores")
     dg.set_defaults(fn=cmd_dagger)

@@ -72,3 +72,42 @@ def test_collect_expert_mix_ends_each_demonstration_at_success(tmp_path):
             assert ep["coverage"][-1] > 0.95 and (ep["coverage"][:-1] <= 0.95).all()
             break
     assert min(lengths) < 120
+
+
+def test_markov_expert_continues_a_push_and_plans_from_the_state_alone():
+    """reach: right after a push, beside the contact, the next plan starts next to the block instead of first
+    backing off to the orbit (~105 px from the T's centre), which replanning mid-push would repeat forever.
+    replan_every: every N actions it plans afresh, so two experts with different pasts, at the same state and
+    last position, act the same; and it still finishes a push when replanning every 8 steps."""
+    from iws_gym.tasks.pusht.expert import MARKOV, PlanningPusher
+    from iws_gym.tasks.pusht.geometry import T_COG
+    from iws_gym.tasks.pusht.groundtruth import get_state, make_env, rot
+
+    env = make_env(96)
+    env.reset(options={"reset_to_state": np.array([100.0, 400.0, 300.0, 300.0, np.pi / 4 + 0.5])})
+    first = PlanningPusher(rng=np.random.default_rng(0))
+    while True:  # the first push, until it has ended in contact with the block
+        _, _, _, _, info = env.step(first.act(get_state(env)))
+        if not first.plan and info["n_contacts"] > 0:
+            break
+    s = get_state(env)
+    cog = s[2:4] + rot(s[4]) @ T_COG
+    far = {}
+    for reach in (0.0, MARKOV["reach"]):
+        p = PlanningPusher(rng=np.random.default_rng(1), reach=reach)
+        p.act(s)
+        far[reach] = max(np.linalg.norm(np.asarray(a) - cog) for a in p.plan[:6])
+    assert far[0.0] > 100 > far[MARKOV["reach"]]
+    a, b = PlanningPusher(rng=np.random.default_rng(2), **MARKOV), PlanningPusher(rng=np.random.default_rng(2), **MARKOV)
+    for _ in range(MARKOV["replan_every"]):  # a acts from another state first; b only sees the last position
+        a.act(s + [30.0, -20.0, 0, 0, 0])
+    a.last_agent = s[:2] - [3.0, 1.0]
+    b.last_agent, b.steps = s[:2] - [3.0, 1.0], MARKOV["replan_every"]
+    assert np.array_equal(a.act(s), b.act(s)) and [list(x) for x in a.plan] == [list(x) for x in b.plan]
+    env.reset(options={"reset_to_state": np.array([100.0, 400.0, 300.0, 300.0, np.pi / 4 + 0.5])})
+    m = PlanningPusher(rng=np.random.default_rng(0), **MARKOV)
+    for _ in range(300):
+        _, _, done, _, info = env.step(m.act(get_state(env)))
+        if done:
+            break
+    assert info["is_success"]

@@ -190,8 +190,9 @@ def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_d
     assert {"val_pose_err_px_median", "val_pose_err_rad_median", "val_action_err_px_median"} <= set(result["eval"])
     labels = tmp_path / "r1.npz"
     run_iws("dagger", "--policy", tmp_path / "p" / "visuomotor.safetensors", "--episodes", 1, "--horizon", 9,
-            "--seed", 50, "--beta", 1.0, "--out", labels, "--json", tmp_path / "r1.json")
+            "--seed", 50, "--beta", 1.0, "--expert", "markov", "--out", labels, "--json", tmp_path / "r1.json")
     d = np.load(labels)
+    assert json.loads(str(d["meta"]))["expert"] == "markov"
     assert d["A"].shape == (2, 16, 2) and d["P"].shape == (2, 2, 2) and d["B"].shape == (2, 3)  # chunk starts 0 and 8
     assert np.isfinite(d["A"]).all() and (d["A"] >= 0).all() and (d["A"] <= 512).all()
     assert json.loads((tmp_path / "r1.json").read_text())["expert_chunk_share"] == 1.0  # beta 1: every chunk the expert's
@@ -269,3 +270,51 @@ def test_visuomotor_recipe_script_runs_at_toy_scale(tiny_dataset, val_dataset, t
     again = run()
     assert again.returncode == 0 and "done" in again.stdout and not list(tmp_path.glob("vm_pose_d5*"))
     assert not (tmp_path / "dagger" / "r4.npz").exists()  # the last round collects nothing
+
+
+def test_past_action_policy_sees_the_targets_it_sent(tiny_dataset, val_dataset, tmp_path):
+    """--past-actions N: in training the head sees the N demonstrated targets before each step (the start
+    position before the first); acting, the policy feeds back the targets it executed. Labels without them,
+    and the features bottleneck, are refused by name."""
+    import torch
+
+    from iws_gym.policies import load_policy_factory
+    from iws_gym.training.policy import past_targets
+
+    actions = np.arange(10, dtype=np.float32).reshape(5, 2)
+    start = np.array([100.0, 200.0], np.float32)
+    assert np.array_equal(past_targets(actions, start, 0, 3), [start] * 3)
+    assert np.array_equal(past_targets(actions, start, 2, 3), [start, actions[0], actions[1]])
+    assert np.array_equal(past_targets(actions, start, 4, 2), actions[2:4])
+    common = ("--data", tiny_dataset, "--val-data", val_dataset, "--preset", "pose-tiny", "--batch", 8, "--eval-every", 2,
+              "--ckpt-every", 2, "--warmup", 1, "--steps", 2)
+    run_iws("train-policy", *common, "--out", tmp_path / "p", "--past-actions", 4)
+    policy = load_policy_factory(str(tmp_path / "p" / "visuomotor.safetensors"))()
+    assert policy.cfg.past_actions == 4
+    seen = []
+    sample = policy.net.sample
+    policy.net.sample = lambda *a, **kw: (seen.append(kw["past"][0].clone()), sample(*a, **kw))[1]
+    policy.reset(seed=0)
+    obs = {"pixels": np.full((96, 96, 3), 255, np.uint8), "agent_pos": np.array([256.0, 128.0])}
+    sent = [policy(obs) for _ in range(policy.cfg.execute + 1)]  # two chunk starts
+    assert torch.equal(seen[0], torch.tensor([[256.0, 128.0]] * 4))
+    assert np.allclose(seen[1].numpy(), sent[policy.cfg.execute - 4: policy.cfg.execute])
+    # the training batches: the flat arrays' past targets match the per-episode helper
+    from iws_gym.training.policy import Options, Stage
+
+    class A:
+        data, out, max_episodes, steps = str(tiny_dataset), str(tmp_path / "s"), None, 1
+
+    stage = Stage(A, Options(preset="pose-tiny", past_actions=3), "cpu")
+    rng = np.random.default_rng(0)
+    b = stage.sample_batch(rng, 64)
+    ep, lens = stage.train, [len(e["actions"]) for e in stage.train]
+    rng = np.random.default_rng(0)
+    k = stage.flat_index[rng.integers(0, len(stage.flat_index), 64)]
+    for row, g in enumerate(k):
+        e = int(np.searchsorted(np.cumsum(lens), g, side="right"))
+        t = int(g - (np.cumsum(lens)[e - 1] if e else 0))
+        assert np.allclose(b["past"][row].numpy(), past_targets(ep[e]["actions"], ep[e]["agent_pos"][0], t, 3))
+    bad = run_iws("train-policy", "--data", tiny_dataset, "--out", tmp_path / "x", "--preset", "tiny", "--steps", 1,
+                  "--past-actions", 2, check=False)
+    assert bad.returncode != 0 and "--past-actions must be >= 0 and needs a pose preset" in bad.stderr

@@ -100,7 +100,7 @@ def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=N
             per_step["segments"].append(gt.SEGMENT_NAMES.index(name) if name in gt.SEGMENT_NAMES else -1)
             for key, v in gt.step_record(info).items():
                 per_step.setdefault(key, []).append(v)
-            stopped = name == "expert" and info["is_success"]  # a demonstration ends at success
+            stopped = name in ("expert", "expert_markov") and info["is_success"]  # a demonstration ends at success
             if stopped:
                 break
         if stopped:  # the plan as executed: the segments before, and this one cut short

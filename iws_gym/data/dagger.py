@@ -18,7 +18,7 @@ import numpy as np
 
 
 def collect_labels(policy_path: str, episodes: int, seed: int, out: str, horizon: int = 300, beta: float = 0.3,
-                   task_name: str = "tpushing") -> dict:
+                   task_name: str = "tpushing", expert: str = "planning") -> dict:
     """Run the learner from seeds seed .. seed + episodes - 1, label each chunk start, write `out` (.npz)
     after every episode (an interrupted run keeps what it labelled). Returns a summary."""
     import torch
@@ -26,13 +26,16 @@ def collect_labels(policy_path: str, episodes: int, seed: int, out: str, horizon
 
     from iws_gym.envs.registry import load_task
     from iws_gym.policies.visuomotor import VisuomotorPolicy
-    from iws_gym.tasks.pusht.expert import PlanningPusher
+    from iws_gym.tasks.pusht.expert import MARKOV, PlanningPusher
     from iws_gym.tasks.pusht.groundtruth import get_state, make_env
 
     task = load_task(task_name)
     if seed < 0 or seed + episodes > task.heldout_seed_base:
         raise ValueError(f"--seed: DAgger runs on training seeds, below the held-out base {task.heldout_seed_base}; "
                          f"got {seed} .. {seed + episodes - 1}")
+    if expert not in ("planning", "markov"):
+        raise ValueError(f"--expert must be planning or markov, got {expert!r}")
+    reach = MARKOV["reach"] if expert == "markov" else 0.0  # every chunk start is a fresh plan either way
     if not 0 <= beta <= 1:
         raise ValueError(f"--beta must be in [0, 1], got {beta}")
     policy = VisuomotorPolicy(policy_path)
@@ -40,17 +43,19 @@ def collect_labels(policy_path: str, episodes: int, seed: int, out: str, horizon
     if cfg.bottleneck != "pose":
         raise ValueError(f"--policy {policy_path}: DAgger labels are states, for a pose-bottleneck policy (--preset pose); "
                          f"this one has bottleneck {cfg.bottleneck!r}")
+    if cfg.past_actions:
+        raise ValueError(f"--policy {policy_path} conditions on its past actions; DAgger labels are states alone")
     torch.set_grad_enabled(False)
     env = make_env(task.frame_size)
     P, B, A, scores, expert_share = [], [], [], [], []
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(policy=str(policy_path), seed=seed, episodes=episodes, horizon=horizon, beta=beta, task=task.name,
-                command=f"iws dagger --policy {policy_path} --episodes {episodes} --seed {seed} --horizon {horizon} "
-                        f"--beta {beta} --out {out}")
+                expert=expert, command=f"iws dagger --policy {policy_path} --episodes {episodes} --seed {seed} "
+                                       f"--horizon {horizon} --beta {beta} --expert {expert} --out {out}")
     for i in (bar := tqdm(range(episodes), desc="dagger", unit="ep")):
         obs, _ = env.reset(seed=seed + i)
         rng = np.random.default_rng(seed + i)
-        expert = PlanningPusher(rng=rng)
+        teacher = PlanningPusher(rng=rng, reach=reach)
         policy.reset(seed + i)
         agents: deque = deque(maxlen=cfg.n_obs)
         best, chunks, expert_chunks = 0.0, 0, 0
@@ -59,8 +64,8 @@ def collect_labels(policy_path: str, episodes: int, seed: int, out: str, horizon
             agents.extend([agent] * (cfg.n_obs if not agents else 1))
             if not policy.queue:  # a chunk start: the expert labels this state with the start of a fresh plan
                 s = get_state(env)
-                expert.plan, expert.plan_vel = [], np.array(env.agent.velocity)
-                label = [expert.act(s)] + list(expert.plan[: cfg.chunk - 1])
+                teacher.plan, teacher.plan_vel = [], np.array(env.agent.velocity)
+                label = [teacher.act(s)] + list(teacher.plan[: cfg.chunk - 1])
                 label += [label[-1]] * (cfg.chunk - len(label))
                 P.append(np.stack(agents))
                 B.append(s[2:5])

@@ -57,6 +57,9 @@ class _Physics:
             e.space.step(e.dt)
 
 
+MARKOV = dict(reach=40.0, replan_every=8)  # the expert that replans every chunk a policy executes (`--mix expert_markov`)
+
+
 class PlanningPusher:
     """act(state) -> action, state = [agent x, agent y, block x, block y, block angle] (behaviours.py's
     convention). Plans a push (approach + push, up to a few dozen steps), executes it, plans again.
@@ -65,11 +68,18 @@ class PlanningPusher:
     turns: push directions off the inward normal (rad); the fine_* values replace them within fine_within
     (pose_error) of the goal; settle: steps the target holds still after the approach and after a push, so that
     the PD agent, which lags its target, arrives; noise: the std (px) of a perturbation added to every
-    action, for demonstrations of varied quality."""
+    action, for demonstrations of varied quality.
+
+    reach: a pre-contact point within this many px, with a clear way to it, is approached straight (0: always
+    the orbiting approach, which first backs off from a block the agent touches); replan_every: plan afresh
+    every N actions instead of at the end of each plan (0), the agent's velocity estimated from its last two
+    positions. With both (`MARKOV`), what it does next depends on the state alone, not on a plan made earlier:
+    the teacher a policy that replans every chunk can imitate (docs/experiments.md)."""
 
     def __init__(self, rng=None, speed: float = 30.0, push_speed: float = 8.0, lengths=(8, 20, 40, 70),
                  turns=(-0.5, 0.0, 0.5), fine_within: float = 30.0, fine_lengths=(3, 6, 12, 24),
-                 fine_turns=(-0.7, -0.35, 0.0, 0.35, 0.7), settle: int = 2, noise: float = 0.0, goal=None):
+                 fine_turns=(-0.7, -0.35, 0.0, 0.35, 0.7), settle: int = 2, noise: float = 0.0, goal=None,
+                 reach: float = 0.0, replan_every: int = 0):
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.speed, self.push_speed, self.lengths, self.turns = speed, push_speed, tuple(lengths), tuple(turns)
         self.fine_within, self.fine_lengths, self.fine_turns = fine_within, tuple(fine_lengths), tuple(fine_turns)
@@ -77,14 +87,18 @@ class PlanningPusher:
         self.settle = settle
         self.noise = noise
         self.goal = GOAL_POSE.copy() if goal is None else np.asarray(goal, float)
+        if reach < 0 or replan_every < 0:
+            raise ValueError(f"reach and replan_every must be >= 0, got {reach}, {replan_every}")
+        self.reach, self.replan_every = float(reach), int(replan_every)
         self.sim = _Physics()
-        self.plan: list[np.ndarray] = []
-        self.plan_vel = np.zeros(2)  # the agent's velocity at the end of the plan, as the private world saw it
+        self.reset()
 
     def reset(self, rng=None):
         if rng is not None:
             self.rng = rng
-        self.plan, self.plan_vel = [], np.zeros(2)
+        self.plan: list[np.ndarray] = []
+        self.plan_vel = np.zeros(2)  # the agent's velocity at the end of the plan, as the private world saw it
+        self.steps, self.last_agent = 0, None
 
     # -- the candidates ------------------------------------------------------------------------------------
     def _approach(self, agent, block, c, n):
@@ -95,6 +109,11 @@ class PlanningPusher:
         if np.any((pre < LO) | (pre > HI)):
             return None
         out, pos = [], agent.astype(float)
+        if self.reach and np.linalg.norm(pre - pos) <= self.reach and path_clear(pos, pre, block, AGENT_RADIUS - 2):
+            while np.linalg.norm(pre - pos) > 1e-6:  # beside the contact already (after a push from it): straight there
+                pos = _step_towards(pos, pre, self.speed / 2)
+                out.append(pos)
+            return out + [pre] * self.settle
         for _ in range(30):
             if path_clear(pos, far, block):
                 break
@@ -170,6 +189,12 @@ class PlanningPusher:
     def act(self, state) -> np.ndarray:
         state = np.asarray(state, dtype=np.float64)
         agent, block = state[:2], state[2:5]
+        if self.replan_every and self.steps % self.replan_every == 0:
+            self.plan = []
+            if self.last_agent is not None:  # gym-pusht acts at 10 Hz: px per step x 10 = px/s
+                self.plan_vel = (agent - self.last_agent) * 10.0
+        self.steps += 1
+        self.last_agent = agent.copy()
         if not self.plan:
             self.plan = self._replan(agent, self.plan_vel, block)
             if not self.plan:

@@ -13,13 +13,14 @@ import numpy as np
 from iws_gym.tasks.pusht.behaviours import SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state, sample_episode_plan
 from iws_gym.tasks.pusht.groundtruth import get_state, make_env, render_state, reset_state  # noqa: F401  (the interface)
 
-SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner"]  # append only: files store indices
+SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner",
+                                             "expert_markov"]  # append only: files store indices
 STATE_SIZE, STATE_DOC = 5, "[agent x, y, block x, y, angle]"  # get_state's vector, as gym-pusht's reset_to_state
 # the spatial stage 2's options in `iws train recipe` (docs/training.md): agent track, windows where the block moves
 # or the agent jumps, the agent erased and the block corrupted in re-renders of the T's pose
 STAGE2_OPTIONS = ["--agent-track", "--focus", "0.5", "--jump-focus", "0.3", "--drop-agent", "0.2",
                   "--corrupt-block", "0.2"]
-MIXES = ("play", "jittery", "random", "expert", "intervention")
+MIXES = ("play", "jittery", "random", "expert", "intervention", "expert_markov")
 PLAY_BEHAVIOURS = ("mix", "unseen", "jittery", "random")  # scripted play and its variants (the trust calibration's)
 HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
 LEARNER_STEPS = (10, 200)  # the learner's part of an intervention episode, drawn uniformly from [lo, hi)
@@ -57,12 +58,17 @@ def mix_plan(mix: str, seed: int, steps: int, learner=None):
         from iws_gym.tasks.pusht.expert import PlanningPusher
 
         return [("expert", PlanningPusher(np.random.default_rng([seed, 3])), steps)]
+    if mix == "expert_markov":
+        from iws_gym.tasks.pusht.expert import MARKOV, PlanningPusher
+
+        return [("expert_markov", PlanningPusher(np.random.default_rng([seed, 3]), **MARKOV), steps)]
     return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
 
 
 def mix_of(plan: str) -> str:
     """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
     for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:"),
+                        ("expert_markov", "expert_markov:"),
                         ("intervention", "learner:")):
         if plan.startswith(prefix):
             return mix
