@@ -4,6 +4,8 @@
 #
 #   scripts/train_visuomotor.sh [RUNS]          # RUNS defaults to runs; data/expert and data/expert_val must exist
 #   IWS_VM_SCALE=tiny DATA=... VAL_DATA=... scripts/train_visuomotor.sh RUNS   # the same steps at toy scale (tests)
+#   DATA=data/expert_markov VAL_DATA=data/expert_markov_val EXPERT=markov scripts/train_visuomotor.sh runs/markov
+#       # the Markov expert's demonstrations (`iws collect --mix expert_markov`) and labels (`iws dagger --expert markov`)
 #
 # 1. 50,000 steps of 1,024 on the 500 demonstrations (runs/vm_pose). Meanwhile, on the other core, the expert
 #    labels the states its snapshots at steps 5,000 and 20,000 reach (r0, r0b: 40 episodes each).
@@ -17,6 +19,7 @@ R=${1:-runs}
 IWS=${IWS:-iws}
 DATA=${DATA:-data/expert}
 VAL_DATA=${VAL_DATA:-data/expert_val}
+EXPERT=${EXPERT:-planning}
 if [ "${IWS_VM_SCALE:-full}" = tiny ]; then
   PRESET=pose-tiny BATCH=8 BC=4 D=2 EVERY=2 SNAP1=2 SNAP2=4 EPISODES=1 HORIZON=9 VAL=1
 else
@@ -27,7 +30,7 @@ mkdir -p "$R/dagger"
 
 label() {  # POLICY SEED NAME: 40 DAgger episodes from training seeds SEED..SEED+39
   [ -f "$R/dagger/$3.json" ] || $IWS dagger --policy "$1" --episodes $EPISODES --horizon $HORIZON --seed "$2" \
-    --out "$R/dagger/$3.npz" --json "$R/dagger/$3.json" > "$R/dagger/$3.log" 2>&1
+    --expert $EXPERT --out "$R/dagger/$3.npz" --json "$R/dagger/$3.json" > "$R/dagger/$3.log" 2>&1
 }
 wait_for() { while [ ! -f "$1" ]; do kill -0 $$ 2>/dev/null || exit 1; sleep 2; done; }  # gives up if the script ended
 val30() { [ -f "$1/val30.json" ] || $IWS eval policy --policy "$1/visuomotor.safetensors" --ground-truth-only \

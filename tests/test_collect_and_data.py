@@ -177,7 +177,7 @@ def test_jittery_mix_records_pushes_with_random_jumps(tmp_path):
     assert set(ep["segments"].tolist()) == {SEGMENT_NAMES.index("push_jittery")}
     assert ep["attrs"]["plan"] == "push_jittery:30"
     # the default play mix keeps its indices (files store them), and the new name comes last
-    assert SEGMENT_NAMES[:2] == ["push", "push_noisy"] and SEGMENT_NAMES[-4:] == ["push_jittery", "random", "expert", "learner"]
+    assert SEGMENT_NAMES[:2] == ["push", "push_noisy"] and SEGMENT_NAMES[-5:] == ["push_jittery", "random", "expert", "learner", "expert_markov"]
     # deterministic, like every collection
     again = collect_episode(TASK, 11, 30, plan=[("push_jittery", JitteryPush(np.random.default_rng([11, 1])), 30)])
     np.testing.assert_array_equal(again["actions"], ep["actions"])

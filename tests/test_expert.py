@@ -72,6 +72,9 @@ def test_collect_expert_mix_ends_each_demonstration_at_success(tmp_path):
             assert ep["coverage"][-1] > 0.95 and (ep["coverage"][:-1] <= 0.95).all()
             break
     assert min(lengths) < 120
+    ep = collect_episode(task, 0, 20, plan=episode_plan("expert_markov", 0, 20))  # the Markov expert's demonstrations
+    assert ep["plan"] == [("expert_markov", 20)] and mix_of("expert_markov:20") == "expert_markov"
+    assert set(ep["segments"].tolist()) == {SEGMENT_NAMES.index("expert_markov")}
 
 
 def test_markov_expert_continues_a_push_and_plans_from_the_state_alone():

@@ -43,8 +43,6 @@ def collect_labels(policy_path: str, episodes: int, seed: int, out: str, horizon
     if cfg.bottleneck != "pose":
         raise ValueError(f"--policy {policy_path}: DAgger labels are states, for a pose-bottleneck policy (--preset pose); "
                          f"this one has bottleneck {cfg.bottleneck!r}")
-    if cfg.past_actions:
-        raise ValueError(f"--policy {policy_path} conditions on its past actions; DAgger labels are states alone")
     torch.set_grad_enabled(False)
     env = make_env(task.frame_size)
     P, B, A, scores, expert_share = [], [], [], [], []

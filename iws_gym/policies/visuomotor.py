@@ -50,7 +50,6 @@ class VisuomotorConfig:
     pose_noise: float = 2.0  # (pose) std of the noise on the recorded pose the head trains on: px, and px / 100 rad
     frame_every: int = 16    # (pose) the pose reader trains on every N-th batch (the head is cheap, the reader is not)
     frame_batch: int = 64    # (pose) frames per reader batch
-    past_actions: int = 0    # (pose) the policy's own last N action targets, beside the state: where it is in a push
 
 
 def to_unit(pos: torch.Tensor) -> torch.Tensor:
@@ -222,29 +221,21 @@ class PoseBottleneckNet(nn.Module):
                              f"{cfg.crop}, size {cfg.size}, n_frames {cfg.n_frames}")
         self.cfg = cfg
         self.reader = PoseReader()
-        self.cond_dim = 4 + cfg.n_obs * 2 + cfg.past_actions * 2
+        self.cond_dim = 4 + cfg.n_obs * 2
         self.head = FlowHead(cfg, self.cond_dim)
 
-    def state_condition(self, pose4: torch.Tensor, agent: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
-        """The head's condition: the block's pose (B, 4), the agent's positions (B, n_obs, 2) and, where the
-        config asks for them, the last action targets (B, past_actions, 2), canvas px."""
-        parts = [pose4.float(), to_unit(agent).flatten(1)]
-        if self.cfg.past_actions:
-            if past is None or past.shape[1:] != (self.cfg.past_actions, 2):
-                raise ValueError(f"this policy conditions on its last {self.cfg.past_actions} action targets; got "
-                                 f"{None if past is None else tuple(past.shape)}")
-            parts.append(to_unit(past.float()).flatten(1))
-        return torch.cat(parts, 1)
+    def state_condition(self, pose4: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
+        return torch.cat([pose4.float(), to_unit(agent).flatten(1)], 1)
 
-    def condition(self, frames: torch.Tensor, agent: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
-        return self.state_condition(self.reader(frames[:, -1]), agent, past)
+    def condition(self, frames: torch.Tensor, agent: torch.Tensor) -> torch.Tensor:
+        return self.state_condition(self.reader(frames[:, -1]), agent)
 
     def loss(self, batch: dict, step: int = 0):
         """Flow matching of the chunk given (agent positions, noised recorded pose); plus, where the batch
         holds frames, the reader's pose regression."""
         pose = batch["block_pose"]
         noise = torch.randn_like(pose) * self.cfg.pose_noise * torch.tensor([1.0, 1.0, 0.01], device=pose.device)
-        cond = self.state_condition(pose_features(pose + noise), batch["agent"], batch.get("past"))
+        cond = self.state_condition(pose_features(pose + noise), batch["agent"])
         a = to_unit(batch["actions"]).flatten(1)
         t = torch.rand(len(a), device=a.device)
         eps = torch.randn_like(a)
@@ -266,21 +257,15 @@ class PoseBottleneckNet(nn.Module):
         return torch.cat([from_unit(p[:, :2]), torch.atan2(p[:, 3], p[:, 2])[:, None]], 1)
 
     @torch.no_grad()
-    def sample(self, frames, agent, generator: torch.Generator | None = None, steps: int | None = None, pose=None,
-               past=None):
-        """A chunk (B, chunk, 2) of absolute targets in canvas px; `pose` (B, 3) replaces the reader's; `past`:
-        the last action targets (B, past_actions, 2), where the config conditions on them."""
-        cond = (self.condition(frames, agent, past) if pose is None
-                else self.state_condition(pose_features(pose), agent, past))
+    def sample(self, frames, agent, generator: torch.Generator | None = None, steps: int | None = None, pose=None):
+        """A chunk (B, chunk, 2) of absolute targets in canvas px; `pose` (B, 3) replaces the reader's."""
+        cond = self.condition(frames, agent) if pose is None else self.state_condition(pose_features(pose), agent)
         return sample_chunk(self.head, cond, self.cfg, generator, steps)
 
 
 def build_net(cfg: VisuomotorConfig) -> nn.Module:
     if cfg.bottleneck not in ("features", "pose"):
         raise ValueError(f"bottleneck must be 'features' or 'pose', got {cfg.bottleneck!r}")
-    if cfg.past_actions < 0 or (cfg.past_actions and cfg.bottleneck != "pose"):
-        raise ValueError(f"past_actions (the last action targets as input) is for the pose bottleneck, >= 0; got "
-                         f"{cfg.past_actions} with bottleneck {cfg.bottleneck!r}")
     return PoseBottleneckNet(cfg) if cfg.bottleneck == "pose" else VisuomotorNet(cfg)
 
 
@@ -320,7 +305,6 @@ class VisuomotorPolicy:
 
     def reset(self, seed=None):
         self.frames, self.agents = deque(maxlen=self.cfg.n_frames), deque(maxlen=self.cfg.n_obs)
-        self.past: deque = deque(maxlen=self.cfg.past_actions)  # the targets it sent (its start position before any)
         self.queue: deque = deque()
         self.generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
 
@@ -330,18 +314,14 @@ class VisuomotorPolicy:
         if not self.frames:  # the first step: the history is the first observation repeated
             self.frames.extend([frame] * self.cfg.n_frames)
             self.agents.extend([agent] * self.cfg.n_obs)
-            self.past.extend([agent] * self.cfg.past_actions)
         self.frames.append(frame)
         self.agents.append(agent)
         if not self.queue:
             x = frames_to_input(np.stack(self.frames)[None], self.cfg.crop).to(self.device)
             p = torch.from_numpy(np.stack(self.agents))[None].to(self.device)
-            kw = dict(past=torch.from_numpy(np.stack(self.past))[None].to(self.device)) if self.cfg.past_actions else {}
-            chunk = self.net.sample(x, p, self.generator, **kw)[0].cpu().numpy()
+            chunk = self.net.sample(x, p, self.generator)[0].cpu().numpy()
             self.queue.extend(chunk[: self.cfg.execute])
-        action = np.clip(self.queue.popleft(), 0, CANVAS).astype(np.float32)
-        self.past.append(action)
-        return action
+        return np.clip(self.queue.popleft(), 0, CANVAS).astype(np.float32)
 
 
 def visuomotor():

@@ -41,8 +41,6 @@ class Options:
     labels: str | None = arg(None, "(pose presets) the expert's corrections on states a learner reached: label files of "
                                    "`iws dagger`, comma-separated")
     label_share: float = arg(0.5, "share of each batch drawn from --labels")
-    past_actions: int | None = arg(None, "(pose presets) condition on the policy's own last N action targets, so it "
-                                         "can tell where it is in a push (default: the config's, 0, or the --init release's)")
 
 
 PRESETS = {"default": {}, "small": dict(hidden=256),  # small: a head of 0.9 M parameters instead of 3.3 M
@@ -96,18 +94,10 @@ class Stage(StageBase):
             if o.pose_noise < 0:
                 raise ValueError(f"--pose-noise must be >= 0, got {o.pose_noise}")
             cfg = dataclasses.replace(cfg, pose_noise=o.pose_noise)
-        if o.past_actions is not None:
-            if o.past_actions < 0 or cfg.bottleneck != "pose":
-                raise ValueError(f"--past-actions must be >= 0 and needs a pose preset; got {o.past_actions} with "
-                                 f"bottleneck {cfg.bottleneck!r}")
-            cfg = dataclasses.replace(cfg, past_actions=o.past_actions)
         self.config = cfg
         self.pose = cfg.bottleneck == "pose"
         if o.labels and not self.pose:
             raise ValueError("--labels (state-only corrections) needs a pose-bottleneck policy (--preset pose)")
-        if o.labels and cfg.past_actions:
-            raise ValueError("--labels hold states without the actions before them; a policy with --past-actions cannot "
-                             "train on them")
         if not 0 <= o.label_share < 1:
             raise ValueError(f"--label-share must be in [0, 1), got {o.label_share}")
         self.model = build_net(cfg)
@@ -169,7 +159,7 @@ class Stage(StageBase):
     def _windows(self, eps, pairs, rng=None):
         """Observation histories, agent positions and action chunks (padded with the last action)."""
         cfg = self.config
-        F, P, A, B, H = [], [], [], [], []
+        F, P, A, B = [], [], [], []
         for e, t in pairs:
             ep = eps[e]
             F.append(ep["frames"][np.clip(np.arange(t - cfg.n_frames + 1, t + 1), 0, None)])
@@ -177,16 +167,12 @@ class Stage(StageBase):
             idx = np.clip(np.arange(t, t + cfg.chunk), None, len(ep["actions"]) - 1)
             A.append(ep["actions"][idx])
             B.append(ep["block_pose"][t])
-            H.append(past_targets(ep["actions"], ep["agent_pos"][0], t, cfg.past_actions))
         F = np.stack(F)
         offsets = None if rng is None else rng.integers(0, cfg.size - cfg.crop + 1, (len(F), 2))
-        out = dict(frames=frames_to_input(F, cfg.crop, offsets).to(self.device),
-                   agent=torch.from_numpy(np.stack(P)).float().to(self.device),
-                   actions=torch.from_numpy(np.stack(A)).float().to(self.device),
-                   block_pose=torch.from_numpy(np.stack(B)).float().to(self.device))
-        if cfg.past_actions:
-            out["past"] = torch.from_numpy(np.stack(H)).float().to(self.device)
-        return out
+        return dict(frames=frames_to_input(F, cfg.crop, offsets).to(self.device),
+                    agent=torch.from_numpy(np.stack(P)).float().to(self.device),
+                    actions=torch.from_numpy(np.stack(A)).float().to(self.device),
+                    block_pose=torch.from_numpy(np.stack(B)).float().to(self.device))
 
     def sample_batch(self, rng, batch):
         if not self.pose:
@@ -197,18 +183,10 @@ class Stage(StageBase):
         P = self.flat["agent_pos"][np.maximum(g[:, None] - np.arange(cfg.n_obs - 1, -1, -1), self.flat_start[g][:, None])]
         A = self.flat["actions"][np.minimum(g[:, None] + np.arange(cfg.chunk), self.flat_end[g][:, None] - 1)]
         B = self.flat["block_pose"][g]
-        H = None
-        if cfg.past_actions:  # the targets sent before step g; before the episode's first, its start position
-            j = g[:, None] - np.arange(cfg.past_actions, 0, -1)
-            start = self.flat_start[g][:, None]
-            H = np.where((j >= start)[..., None], self.flat["actions"][np.maximum(j, start)],
-                         self.flat["agent_pos"][np.broadcast_to(start, j.shape)])
         if k:
             h = rng.integers(0, len(self.labels["A"]), k)
             P, B, A = (np.concatenate([x, self.labels[n][h]]) for x, n in ((P, "P"), (B, "B"), (A, "A")))
         out = dict(agent=torch.from_numpy(P), block_pose=torch.from_numpy(B), actions=torch.from_numpy(A))
-        if H is not None:
-            out["past"] = torch.from_numpy(H)
         if self._calls % cfg.frame_every == 0:  # a batch for the pose reader
             w = self._windows(self.train, self.index[rng.integers(0, len(self.index), cfg.frame_batch)])
             out.update(frames=w["frames"], frame_pose=w["block_pose"])
@@ -221,8 +199,7 @@ class Stage(StageBase):
             pairs = [(e, t) for e in range(len(self.val)) for t in range(0, len(self.val[e]["actions"]), 4)]
             b = self._windows(self.val, pairs)
             gen = torch.Generator().manual_seed(0)
-            kw = dict(past=b["past"]) if "past" in b else {}
-            chunk = ema.sample(b["frames"], b["agent"], gen, **kw)[:, : self.config.execute]
+            chunk = ema.sample(b["frames"], b["agent"], gen)[:, : self.config.execute]
             err = (chunk.float() - b["actions"][:, : self.config.execute]).norm(dim=-1)
             out["val_action_err_px_median"] = err.median().item()
             out["val_action_err_px_mean"] = err.mean().item()
@@ -259,12 +236,6 @@ class Stage(StageBase):
         extra = self._provenance(result["step"], result["eval"])
         extra.update(wall_s=result["wall_s"], command=result["command"].replace("iws train policy", "iws train-policy"))
         save_release(Path(out) / "visuomotor.safetensors", ema.state_dict(), "visuomotor", self.config, extra)
-
-
-def past_targets(actions: np.ndarray, start: np.ndarray, t: int, n: int) -> np.ndarray:
-    """The n action targets sent before step t of an episode, (n, 2); before its first, its start position."""
-    j = np.arange(t - n, t)
-    return np.where((j >= 0)[:, None], actions[np.maximum(j, 0)], start).astype(np.float32)
 
 
 def load_labels(spec: str, cfg: VisuomotorConfig) -> dict:
