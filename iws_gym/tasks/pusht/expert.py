@@ -109,25 +109,24 @@ class PlanningPusher:
         if np.any((pre < LO) | (pre > HI)):
             return None
         out, pos = [], agent.astype(float)
-        if self.reach and np.linalg.norm(pre - pos) <= self.reach and path_clear(pos, pre, block, AGENT_RADIUS - 2):
-            while np.linalg.norm(pre - pos) > 1e-6:  # beside the contact already (after a push from it): straight there
-                pos = _step_towards(pos, pre, self.speed / 2)
+        legs = [(pre, self.speed / 2)]
+        # beside the contact already (e.g. after a push from it), with a clear way: straight there; else orbit first
+        if not (self.reach and np.linalg.norm(pre - pos) <= self.reach and path_clear(pos, pre, block, AGENT_RADIUS - 2)):
+            for _ in range(30):
+                if path_clear(pos, far, block):
+                    break
+                ra, rf = np.arctan2(*(pos - cog)[::-1]), np.arctan2(*(far - cog)[::-1])
+                step = float(np.clip(wrap_angle(rf - ra), -0.6, 0.6))
+                r = max(105.0, np.linalg.norm(pos - cog))
+                nxt = cog + r * np.array([np.cos(ra + step), np.sin(ra + step)])
+                if r > 106:  # first back off to the orbit radius
+                    nxt = cog + 105.0 * (pos - cog) / np.linalg.norm(pos - cog)
+                pos = _step_towards(pos, np.clip(nxt, LO, HI), self.speed)
                 out.append(pos)
-            return out + [pre] * self.settle
-        for _ in range(30):
-            if path_clear(pos, far, block):
-                break
-            ra, rf = np.arctan2(*(pos - cog)[::-1]), np.arctan2(*(far - cog)[::-1])
-            step = float(np.clip(wrap_angle(rf - ra), -0.6, 0.6))
-            r = max(105.0, np.linalg.norm(pos - cog))
-            nxt = cog + r * np.array([np.cos(ra + step), np.sin(ra + step)])
-            if r > 106:  # first back off to the orbit radius
-                nxt = cog + 105.0 * (pos - cog) / np.linalg.norm(pos - cog)
-            pos = _step_towards(pos, np.clip(nxt, LO, HI), self.speed)
-            out.append(pos)
-        else:
-            return None
-        for goal, speed in ((far, self.speed), (pre, self.speed / 2)):
+            else:
+                return None
+            legs.insert(0, (far, self.speed))
+        for goal, speed in legs:
             while np.linalg.norm(goal - pos) > 1e-6:
                 pos = _step_towards(pos, goal, speed)
                 out.append(pos)
