@@ -197,9 +197,10 @@ def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_d
     assert np.isfinite(d["A"]).all() and (d["A"] >= 0).all() and (d["A"] <= 512).all()
     assert json.loads((tmp_path / "r1.json").read_text())["expert_chunk_share"] == 1.0  # beta 1: every chunk the expert's
     run_iws("train-policy", *common, "--out", tmp_path / "q", "--labels", labels, "--init",
-            tmp_path / "p" / "visuomotor.safetensors", "--pose-noise", 0.5)
+            tmp_path / "p" / "visuomotor.safetensors", "--pose-noise", 0.5, "--reader-frames", 8)
     policy = load_policy_factory(str(tmp_path / "q" / "visuomotor.safetensors"))()
     assert policy.meta["labels"] == str(labels) and policy.cfg.bottleneck == "pose"
+    assert policy.meta["reader_frames"] == 8
     assert policy.cfg.pose_noise == 0.5  # over the --init release's 2.0
     for size in (96, 128):
         policy.reset(seed=0)
@@ -210,9 +211,36 @@ def test_pose_bottleneck_policy_trains_on_expert_corrections(tiny_dataset, val_d
     assert bad.returncode != 0 and "needs a pose-bottleneck policy" in bad.stderr
     bad = run_iws("train-policy", *common, "--out", tmp_path / "z", "--pose-noise", -1, check=False)
     assert bad.returncode != 0 and "--pose-noise must be >= 0" in bad.stderr
+    bad = run_iws("train-policy", "--data", tiny_dataset, "--out", tmp_path / "x", "--preset", "tiny", "--steps", 1,
+                  "--reader-frames", 4, check=False)
+    assert bad.returncode != 0 and "--reader-frames needs a pose-bottleneck policy" in bad.stderr
     bad = run_iws("dagger", "--policy", tmp_path / "p" / "visuomotor.safetensors", "--seed", 999_999, "--episodes", 2,
                   "--out", tmp_path / "y.npz", check=False)
     assert bad.returncode != 0 and "below the held-out base" in bad.stderr
+
+
+def test_random_state_frames_show_the_block_where_they_say_anywhere_inside_the_walls():
+    """The reader's extra frames: valid states (the whole T inside the walls, the agent off it) spread over the
+    canvas, including the strips near the walls that demonstrations rarely reach; each frame is gym-pusht's
+    render of its recorded pose (the block's pixels sit where the pose puts them)."""
+    from iws_gym.tasks.pusht.behaviours import t_sdf
+    from iws_gym.tasks.pusht.groundtruth import t_polygons
+    from iws_gym.tasks.pusht.pose import BLOCK_RGB
+    from iws_gym.training.policy import random_state_frames
+
+    d = random_state_frames(200, 128, 96, seed=3, chunk=64)
+    assert d["frames"].shape == (200, 96, 96, 3) and d["frames"].dtype == np.uint8 and d["block_pose"].shape == (200, 3)
+    corners = np.stack([np.concatenate(t_polygons(b)) for b in d["block_pose"]])
+    margin = np.minimum(corners.min(1), 512 - corners.max(1)).min(1)  # the block's closest approach to the canvas edge
+    assert margin.min() >= 7  # inside the walls
+    assert 0.2 < (margin < 17).mean() < 0.6  # pressed against a wall in about a third of the frames
+    assert np.ptp(d["block_pose"][:, 2]) > 5.5  # all angles
+    for i in range(5):  # the block's grey pixels lie on the T at the recorded pose
+        grey = np.argwhere(np.abs(d["frames"][i] - BLOCK_RGB).max(-1) < 25)
+        pts = (grey[:, ::-1] + 0.5) * 512 / 96
+        assert len(pts) > 20 and np.median(t_sdf(pts, d["block_pose"][i].astype(float))) < 3
+    again = random_state_frames(200, 128, 96, seed=3)
+    assert np.array_equal(again["block_pose"], d["block_pose"]) and np.array_equal(again["frames"], d["frames"])
 
 
 def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
@@ -245,8 +273,9 @@ def test_pose_bottleneck_head_learns_the_chunk_from_the_pose():
 
 @pytest.mark.slow
 def test_visuomotor_recipe_script_runs_at_toy_scale(tiny_dataset, val_dataset, tmp_path):
-    """scripts/train_visuomotor.sh: behaviour cloning, labels from two of its snapshots, four DAgger rounds, each
-    policy measured on validation starts; a rerun finds everything done."""
+    """scripts/train_visuomotor.sh: behaviour cloning, labels from two of its snapshots, five DAgger rounds (the
+    last with random-state frames for the reader), each policy measured on validation starts; a rerun finds
+    everything done."""
     import os
     import subprocess
 
@@ -258,16 +287,19 @@ def test_visuomotor_recipe_script_runs_at_toy_scale(tiny_dataset, val_dataset, t
                                  capture_output=True, text=True, timeout=900)
     proc = run()
     assert proc.returncode == 0, proc.stderr
-    for r in ("r0", "r0b", "r1", "r2", "r3"):
+    for r in ("r0", "r0b", "r1", "r2", "r3", "r4"):
         assert np.load(tmp_path / "dagger" / f"{r}.npz")["A"].shape[1:] == (16, 2)
     from iws_gym.models.checkpoint import load_release
     from iws_gym.policies.visuomotor import VisuomotorConfig
 
-    _, _, meta = load_release(tmp_path / "vm_pose_d4" / "visuomotor.safetensors", "visuomotor", VisuomotorConfig)
-    assert meta["labels"].split(",") == [str(tmp_path / "dagger" / f"{r}.npz") for r in ("r0", "r0b", "r1", "r2", "r3")]
-    assert meta["init"] == str(tmp_path / "vm_pose_d3" / "visuomotor.safetensors")
-    assert json.loads((tmp_path / "vm_pose_d4" / "val30.json").read_text())["ground_truth"]["episodes"] == 1
+    cfg5, _, meta = load_release(tmp_path / "vm_pose_d5" / "visuomotor.safetensors", "visuomotor", VisuomotorConfig)
+    assert meta["labels"].split(",") == [str(tmp_path / "dagger" / f"{r}.npz") for r in ("r0", "r0b", "r1", "r2", "r3", "r4")]
+    assert meta["init"] == str(tmp_path / "vm_pose_d4" / "visuomotor.safetensors")
+    assert meta["reader_frames"] == 8 and cfg5.pose_noise == 0.5
+    _, _, meta4 = load_release(tmp_path / "vm_pose_d4" / "visuomotor.safetensors", "visuomotor", VisuomotorConfig)
+    assert meta4["reader_frames"] is None  # only the last round adds the random-state frames
+    assert json.loads((tmp_path / "vm_pose_d5" / "val30.json").read_text())["ground_truth"]["episodes"] == 1
     again = run()
-    assert again.returncode == 0 and "done" in again.stdout and not list(tmp_path.glob("vm_pose_d5*"))
-    assert not (tmp_path / "dagger" / "r4.npz").exists()  # the last round collects nothing
+    assert again.returncode == 0 and "done" in again.stdout and not list(tmp_path.glob("vm_pose_d6*"))
+    assert not (tmp_path / "dagger" / "r5.npz").exists()  # the last round collects nothing
 

@@ -41,6 +41,11 @@ class Options:
     labels: str | None = arg(None, "(pose presets) the expert's corrections on states a learner reached: label files of "
                                    "`iws dagger`, comma-separated")
     label_share: float = arg(0.5, "share of each batch drawn from --labels")
+    reader_frames: int = arg(0, "(pose presets) this many frames of random states (the block anywhere inside the walls "
+                                "at any angle, a third of them against a wall; the agent anywhere off it), rendered "
+                                "by gym-pusht, make up half of "
+                                "each reader batch: the reader then also sees the block where demonstrations rarely "
+                                "take it, against the walls")
 
 
 PRESETS = {"default": {}, "small": dict(hidden=256),  # small: a head of 0.9 M parameters instead of 3.3 M
@@ -142,6 +147,11 @@ class Stage(StageBase):
             if not known.any():
                 raise ValueError(f"--data {a.data}: no step records the block's pose, which the pose preset trains on")
             self.index, self.flat_index = self.index[known], self.flat_index[known]
+        if o.reader_frames < 0 or (o.reader_frames and not self.pose):
+            raise ValueError(f"--reader-frames needs a pose-bottleneck policy (--preset pose) and a count >= 0, "
+                             f"got {o.reader_frames} for bottleneck {cfg.bottleneck!r}")
+        self.synthetic = random_state_frames(o.reader_frames, self.task.frame_size, cfg.size, a.seed) \
+            if o.reader_frames else None
 
     def _load(self, paths):
         from tqdm import tqdm
@@ -188,8 +198,13 @@ class Stage(StageBase):
             P, B, A = (np.concatenate([x, self.labels[n][h]]) for x, n in ((P, "P"), (B, "B"), (A, "A")))
         out = dict(agent=torch.from_numpy(P), block_pose=torch.from_numpy(B), actions=torch.from_numpy(A))
         if self._calls % cfg.frame_every == 0:  # a batch for the pose reader
-            w = self._windows(self.train, self.index[rng.integers(0, len(self.index), cfg.frame_batch)])
+            n = cfg.frame_batch // 2 if self.synthetic is not None else cfg.frame_batch
+            w = self._windows(self.train, self.index[rng.integers(0, len(self.index), n)])
             out.update(frames=w["frames"], frame_pose=w["block_pose"])
+            if self.synthetic is not None:
+                h = rng.integers(0, len(self.synthetic["frames"]), cfg.frame_batch - n)
+                out["frames"] = torch.cat([out["frames"], frames_to_input(self.synthetic["frames"][h][:, None], cfg.crop)])
+                out["frame_pose"] = torch.cat([out["frame_pose"], torch.from_numpy(self.synthetic["block_pose"][h])])
         self._calls += 1
         return {n: v.to(self.device) for n, v in out.items()}
 
@@ -229,6 +244,7 @@ class Stage(StageBase):
 
     def _provenance(self, step, metrics):
         return dict(data=self.sources, val_data=self.o.val_data, init=self.o.init, labels=self.o.labels,
+                    reader_frames=self.o.reader_frames or None,
                     label_share=self.o.label_share if self.o.labels else None, commit=git_commit(), step=step, eval=metrics, task=self.task.name,
                     command=f"iws train-policy --data {self.a.data} --out {self.a.out} --steps {self.a.steps}")
 
@@ -236,6 +252,43 @@ class Stage(StageBase):
         extra = self._provenance(result["step"], result["eval"])
         extra.update(wall_s=result["wall_s"], command=result["command"].replace("iws train policy", "iws train-policy"))
         save_release(Path(out) / "visuomotor.safetensors", ema.state_dict(), "visuomotor", self.config, extra)
+
+
+WALLS = (7.0, 504.0)  # the inner faces of gym-pusht's walls (segments at 5 and 506 px, radius 2), on both axes
+
+
+def random_state_frames(n: int, frame_size: int, size: int, seed: int = 0, chunk: int = 1000) -> dict:
+    """n gym-pusht frames of random states, prepared as the policy sees them: {"frames": (n, size, size, 3) uint8,
+    "block_pose": (n, 3)}. The block lies anywhere inside the walls at any angle (demonstrations keep it near the
+    middle), in a third of the frames pressed against a wall (within 10 px of it, where a learner's pushes can
+    leave it); the agent lies anywhere it does not overlap the block."""
+    from tqdm import tqdm
+
+    from iws_gym.tasks.pusht.behaviours import t_sdf
+    from iws_gym.tasks.pusht.geometry import AGENT_RADIUS
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_states, t_polygons
+
+    lo, hi = WALLS
+    rng = np.random.default_rng([seed, 7])
+    poses, agents = [], []
+    while len(poses) < n:
+        b = np.array([*rng.uniform(20, 492, 2), rng.uniform(-np.pi, np.pi)])
+        if rng.random() < 1 / 3:  # against a wall: shift the block until its outermost corner is 0-10 px from it
+            corners = np.concatenate(t_polygons(b))
+            axis, side = rng.integers(2), rng.integers(2)
+            gap = rng.uniform(0, 10)
+            b[axis] += (lo + gap - corners[:, axis].min()) if side == 0 else (hi - gap - corners[:, axis].max())
+        a = rng.uniform(15, 497, 2)
+        corners = np.concatenate(t_polygons(b))
+        if corners.min() < lo or corners.max() > hi or t_sdf(a[None], b)[0] < AGENT_RADIUS:
+            continue
+        poses.append(b)
+        agents.append(a)
+    poses, agents = np.array(poses, np.float32), np.array(agents)
+    env, frames = make_env(frame_size), np.empty((n, size, size, 3), np.uint8)
+    for i in tqdm(range(0, n, chunk), desc="rendering random states for the reader", unit="chunk"):
+        frames[i:i + chunk] = prep_frames(render_states(agents[i:i + chunk], poses[i:i + chunk], frame_size, env), size)
+    return dict(frames=frames, block_pose=poses)
 
 
 def load_labels(spec: str, cfg: VisuomotorConfig) -> dict:
