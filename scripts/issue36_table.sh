@@ -48,7 +48,8 @@ run "$OUT/${P}_correlate_32.json" $IWS eval correlate --checkpoint "$R" --episod
   --plot "$OUT/${P}_correlate_32.png" --json "$OUT/${P}_correlate_32.json"
 run "$OUT/${P}_correlate_whole_range.json" $IWS eval correlate --checkpoint "$R" --episodes $EW --horizon $HW --workers 1 \
   --add-policy vm_step5000=$S/vm_step5000.safetensors --add-policy vm_bc=$S/vm_bc.safetensors \
-  --add-policy vm_round1=$S/vm_round1.safetensors --add-policy visuomotor=iws_gym.policies:visuomotor \
+  --add-policy vm_round1=$S/vm_round1.safetensors --add-policy vm_markov_round2=$S/vm_markov_round2.safetensors \
+  --add-policy visuomotor=iws_gym.policies:visuomotor \
   --add-policy expert=iws_gym.policies:ExpertPusher --plot "$OUT/${P}_correlate_whole_range.png" \
   --json "$OUT/${P}_correlate_whole_range.json"
 if [ ! -f "$OUT/${P}_bench.json" ]; then  # back to back with the shipped weights, on the same machine
