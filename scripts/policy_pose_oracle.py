@@ -83,7 +83,7 @@ def main():
                            for i, st in enumerate(states)])
         e = np.array(errors)
         near = e[:, 2] < NEAR_WALL
-        out[mode] = dict(success_rate=float((scores > 0.95).mean()), mean_max_coverage=float(scores.mean()),
+        out[mode] = dict(success_rate=float(task.module.success(scores).mean()), mean_max_coverage=float(scores.mean()),
                          scores=scores.round(4).tolist(), near_wall_share=float(near.mean()),
                          reader_error_near_wall=error_summary(e[near]), reader_error_elsewhere=error_summary(e[~near]))
         print(f"{mode}: success {out[mode]['success_rate']:.2f}, mean max coverage {out[mode]['mean_max_coverage']:.3f}, "
@@ -93,7 +93,7 @@ def main():
               flush=True)
     if a.takeover:
         rescued = []
-        for i in np.flatnonzero(np.array(out["reader"]["scores"]) <= 0.95):
+        for i in np.flatnonzero(~task.module.success(np.array(out["reader"]["scores"]))):
             before = run(env, policy, states[i], a.seed + i, a.horizon, False, steps=a.takeover)
             expert, best = PlanningPusher(rng=np.random.default_rng(int(i)), **MARKOV), before
             for _ in range(300):
@@ -103,7 +103,7 @@ def main():
                     break
             rescued.append(dict(start=int(i), learner_max_coverage=round(before, 4), after_expert=round(best, 4)))
         out["takeover"] = dict(at_step=a.takeover, expert_steps=300, episodes=rescued,
-                               rescued_share=float(np.mean([r["after_expert"] > 0.95 for r in rescued])) if rescued else None)
+                               rescued_share=float(task.module.success(np.array([r["after_expert"] for r in rescued])).mean()) if rescued else None)
         print(f"takeover at step {a.takeover}: the expert rescues {out['takeover']['rescued_share']} of the failures")
     out["command"] = (f"python scripts/policy_pose_oracle.py {a.policy} --episodes {a.episodes} --horizon {a.horizon} "
                       f"--seed {a.seed} --takeover {a.takeover}" + (f" --json {a.json}" if a.json else ""))

@@ -35,7 +35,7 @@ def main():
     per = {}
     for o in offsets:
         s = np.asarray(run_ground_truth(task, factory, states, a.horizon, a.seed + o)[0])
-        per[o] = dict(success_rate=float((s > 0.95).mean()), mean_max_coverage=float(s.mean()), scores=s.round(4).tolist())
+        per[o] = dict(success_rate=float(task.module.success(s).mean()), mean_max_coverage=float(s.mean()), scores=s.round(4).tolist())
         print(f"offset {o}: success {per[o]['success_rate']:.2f}, mean max coverage {per[o]['mean_max_coverage']:.3f}", flush=True)
     succ = np.array([r["success_rate"] for r in per.values()])
     out = dict(policy=a.policy, episodes=a.episodes, horizon=a.horizon, seed=a.seed, offsets=offsets, per_offset=per,

@@ -103,6 +103,9 @@ class Stage(StageBase):
         self.pose = cfg.bottleneck == "pose"
         if o.labels and not self.pose:
             raise ValueError("--labels (state-only corrections) needs a pose-bottleneck policy (--preset pose)")
+        if o.reader_frames < 0 or (o.reader_frames and not self.pose):
+            raise ValueError(f"--reader-frames needs a pose-bottleneck policy (--preset pose) and a count >= 0, "
+                             f"got {o.reader_frames} for bottleneck {cfg.bottleneck!r}")
         if not 0 <= o.label_share < 1:
             raise ValueError(f"--label-share must be in [0, 1), got {o.label_share}")
         self.model = build_net(cfg)
@@ -147,9 +150,6 @@ class Stage(StageBase):
             if not known.any():
                 raise ValueError(f"--data {a.data}: no step records the block's pose, which the pose preset trains on")
             self.index, self.flat_index = self.index[known], self.flat_index[known]
-        if o.reader_frames < 0 or (o.reader_frames and not self.pose):
-            raise ValueError(f"--reader-frames needs a pose-bottleneck policy (--preset pose) and a count >= 0, "
-                             f"got {o.reader_frames} for bottleneck {cfg.bottleneck!r}")
         self.synthetic = random_state_frames(o.reader_frames, self.task.frame_size, cfg.size, a.seed) \
             if o.reader_frames else None
 
