@@ -156,6 +156,44 @@ def test_compact2_needs_a_compact_stage1(tiny_dataset, tiny_stage1, tmp_path):
                 "--steps", 2, "--preset", "tiny")
 
 
+def test_the_cycle_term_never_trains_the_encoder():
+    """|E(D(z)) - z|^2 is met by a constant z: while the encoder trains it is left out (the first full-size run's
+    encoder collapsed to tanh's +-1 with it), and on the frozen encoder it reaches the decoder alone."""
+    from types import SimpleNamespace
+
+    from iws_gym.training.compact1 import Trainable
+
+    o = SimpleNamespace(freeze_encoder_at=0.5, z_noise=0.01, fg_weight=4.0, cycle=0.5)
+    model = Trainable(TINY1, o, total_steps=10)
+    batch = (torch.rand(2, 3, 128, 128) * 2 - 1, torch.rand(2, 2))
+    _, logs = model(batch, step=0)
+    assert "cycle" not in logs
+    loss, logs = model(batch, step=5)
+    loss.backward()
+    assert "cycle" in logs and all(p.grad is None for p in model.encoder.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.decoder.parameters())
+
+
+def test_a_collapsed_stage1_is_refused_with_a_clear_error(tiny_dataset, tmp_path):
+    """An encoder that maps every frame to the same z: its own training stops, and stage 2 refuses it."""
+    from .conftest import run_iws
+    from iws_gym.training.compact1 import Stage, Options
+    from iws_gym.training.train import STAGES, TrainArgs
+
+    s1 = CompactStage1(TINY1)
+    torch.nn.init.zeros_(s1.encoder.net[-1].weight)
+    torch.nn.init.constant_(s1.encoder.net[-1].bias, 9.0)  # tanh(9) = 1 for every frame
+    save_release(tmp_path / "c1" / "stage1.safetensors", s1.state_dict(), STAGE1_KIND, TINY1)
+    proc = run_iws("train", "compact2", "--data", tiny_dataset, "--init", tmp_path / "c1", "--out", tmp_path / "c2",
+                   "--steps", 2, "--preset", "tiny", check=False)
+    assert proc.returncode != 0 and "collapsed stage 1" in proc.stderr
+    a = TrainArgs(**{**vars(STAGES["compact1"].defaults), "data": str(tiny_dataset), "out": str(tmp_path / "c1b")})
+    stage = Stage(a, Options(preset="tiny", z_dim=TINY1.z_dim), "cpu")
+    stage.model.encoder.load_state_dict(s1.encoder.state_dict())
+    with pytest.raises(RuntimeError, match="stage 1 collapsed"):
+        stage.evaluate(stage.model)
+
+
 def test_eval_commands_use_the_release_default_of_no_reencoding(compact, tmp_path):
     from .conftest import run_iws
 

@@ -111,7 +111,7 @@ def test_bad_data_and_policy_specs_are_named(tiny_dataset, tiny_stage1, tmp_path
     assert same.returncode != 0 and "also training data" in same.stderr
 
 
-def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_checkpoint, tmp_path):
+def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_checkpoint, tiny_dataset, tmp_path):
     """The data-generation experiment end to end at toy scale; rerunning it reuses every finished step."""
     from iws_gym.evaluation.datagen import mix_spec
 
@@ -126,6 +126,7 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     assert list(r["policies"]) == ["generated_0pct", "generated_50pct", "generated_100pct"]
     assert r["policies"]["generated_50pct"]["data"].count(":") == 2 and r["policies"]["generated_0pct"]["episodes"] == 2
     assert r["generated"]["world_model"]["checkpoint"] == str(tiny_checkpoint) and (tmp_path / "grid.png").is_file()
+    assert r["generated"]["policy"] == "iws_gym.policies:ExpertPusher"  # the real demonstrations' demonstrator
     assert isinstance(r["target"]["met"], bool) and len(r["generated_over_real"]["mean_max_coverage_interval"]) == 3
     trained = json.loads((tmp_path / "dg" / "2ep" / "generated_100pct" / "train_result.json").read_text())
     assert r["batch"] == 3 and trained["args"]["batch"] == 3
@@ -137,6 +138,27 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     other[other.index("--train-steps") + 1] = 3  # other settings never reuse policies trained with these
     proc = run_iws(*other, check=False)
     assert proc.returncode != 0 and "use another --out" in proc.stderr
+    other = list(args)
+    other[other.index("--real") + 1] = tiny_dataset  # play episodes have no demonstrator to generate with
+    other[other.index("--out") + 1] = tmp_path / "dg_play"
+    proc = run_iws(*other, check=False)
+    assert proc.returncode != 0 and "needs a demonstrator's" in proc.stderr and not (tmp_path / "dg_play").exists()
+
+
+def test_the_markov_demonstrator_reads_the_frame_and_replans_every_chunk():
+    from iws_gym.evaluation.datagen import DEMONSTRATORS
+    from iws_gym.policies import MarkovExpertPusher, load_policy_factory
+    from iws_gym.tasks.pusht.expert import MARKOV
+
+    policy = load_policy_factory(DEMONSTRATORS["expert_markov"])()
+    assert isinstance(policy, MarkovExpertPusher)
+    assert policy.expert.replan_every == MARKOV["replan_every"] and policy.expert.reach == MARKOV["reach"]
+    from iws_gym.tasks.pusht.groundtruth import make_env
+
+    obs, _ = make_env().reset(seed=5)
+    policy.reset(5)
+    actions = [policy(obs) for _ in range(3)]
+    assert all(a.shape == (2,) and np.all((a >= 0) & (a <= 512)) for a in actions)
 
 
 def test_intervention_episodes_hand_over_to_the_expert_and_only_its_steps_are_imitated(policy_run, tmp_path):

@@ -3,7 +3,8 @@
 behaviour-cloning policies of the evaluation suite, and the visuomotor policy (`visuomotor`); the
 pile-sweeping policies in `sweepers.py`. `task_suite(task)` is each task's graded suite of `iws eval correlate`."""
 from iws_gym.policies.scripted import (  # noqa: F401
-    ExpertPusher, FramePusher, IdlePolicy, JitteryPusher, LazyPusher, RandomPolicy, bc_step300, bc_step1000, bc_step4000, suite,
+    ExpertPusher, FramePusher, IdlePolicy, JitteryPusher, LazyPusher, MarkovExpertPusher, RandomPolicy,
+    bc_step300, bc_step1000, bc_step4000, suite,
 )
 from iws_gym.policies.visuomotor import visuomotor  # noqa: F401
 

@@ -47,11 +47,11 @@ class ExpertPusher:
     in its own copy of gym-pusht's physics, set to what it sees. The demonstrator of `iws generate` and of
     the policies trained by imitation."""
 
-    def __init__(self, noise: float = 0.0, seed: int = 0):
+    def __init__(self, noise: float = 0.0, seed: int = 0, **expert):
         from iws_gym.tasks.pusht.expert import PlanningPusher
 
         self.noise, self.seed = noise, seed
-        self.expert = PlanningPusher(noise=noise)
+        self.expert = PlanningPusher(noise=noise, **expert)
         self.reset(seed)
 
     def reset(self, seed: int | None = None):
@@ -63,6 +63,16 @@ class ExpertPusher:
         if self.last_block is None:
             return agent.astype(np.float32)
         return self.expert.act(np.concatenate([agent, self.last_block]))
+
+
+class MarkovExpertPusher(ExpertPusher):
+    """The planning expert that replans every 8 actions from what it sees (`iws collect --mix expert_markov`),
+    driven by the T pose read from the frame: the demonstrator of `iws eval datagen --real` on such data."""
+
+    def __init__(self, noise: float = 0.0, seed: int = 0):
+        from iws_gym.tasks.pusht.expert import MARKOV
+
+        super().__init__(noise, seed, **MARKOV)
 
 
 class RandomPolicy:

@@ -5,7 +5,9 @@ together, then the decoder alone on the frozen encoder (its latents stay valid f
 
 Loss: MSE on the frame with `--fg-weight` more weight on pixels that differ from the background, z jittered by
 `--z-noise` (neighbouring codes decode alike), and `--cycle` * |E(D(z)) - z|^2 so that re-encoding a rendered
-frame returns its latent. From `--freeze-encoder-at` of the steps on, the encoder no longer trains.
+frame returns its latent, once the encoder is frozen: from `--freeze-encoder-at` of the steps on, only the decoder
+trains. Evaluation reports `z_sd`, the spread of z over validation frames; training stops with an error if it falls
+to nothing (a collapsed encoder draws every frame alike, and stage 2 would learn nothing from it).
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ class Options:
     extra_data: str = arg("", "more datasets to train on, comma-separated (e.g. `iws collect --mix random` and "
                               "`--mix jittery` collections: the decoder must draw the scenes fast drives make)")
     freeze_encoder_at: float = arg(0.75, "share of the steps after which only the decoder trains")
-    cycle: float = arg(0.5, "weight of |E(D(z)) - z|^2")
+    cycle: float = arg(0.5, "weight of |E(D(z)) - z|^2, on the frozen encoder")
     fg_weight: float = arg(4.0, "extra loss weight on pixels that differ from the background")
     z_noise: float = arg(0.01, "noise added to z before decoding, in training")
     finetune: str | None = arg(None, "continue this compact stage-1 release (its config; --z-dim is ignored)")
     preset: str = arg("default", "model size: default | tiny (tests)")
 
 
+COLLAPSED = 1e-4  # the spread of z (its std over frames, averaged over dims) below which the encoder has collapsed
 PRESETS = {"default": {}, "tiny": dict(enc_widths=(8, 8, 16, 16), enc_hidden=32, dec_width=16, dec_blocks=1)}
 
 
@@ -85,7 +88,8 @@ class Trainable(CompactStage1):
         rec = (err * (1 + self.o.fg_weight * fg)).mean()
         logs = dict(rec=rec.item(), frozen_encoder=float(frozen))
         loss = rec
-        if self.o.cycle:
+        if self.o.cycle and frozen:  # only on the frozen encoder: while it trains, E(D(z)) = z is met by a
+            # constant z (the encoder collapsed to tanh's +-1 in the first 1,000 steps of the first full run)
             cyc = (enc(y.clamp(-1, 1)).float() - z.detach().float()).pow(2).mean()
             loss = loss + self.o.cycle * cyc
             logs["cycle"] = cyc.item()
@@ -122,8 +126,12 @@ class Stage(StageBase):
 
     def evaluate(self, ema) -> dict:
         z = ema.encoder(self.eval_x)
+        z_sd = z.float().std(0).mean().item()
+        if z_sd < COLLAPSED:
+            raise RuntimeError(f"stage 1 collapsed: the encoder maps every validation frame to the same z (mean "
+                               f"spread {z_sd:.1e}); lower --lr or check the data, and start a new --out")
         y = ema.decoder(z, self.eval_p)
-        return dict(psnr=psnr(y, self.eval_x).mean().item(),
+        return dict(psnr=psnr(y, self.eval_x).mean().item(), z_sd=z_sd,
                     cycle=(ema.encoder(y.clamp(-1, 1)).float() - z.float()).pow(2).mean().item())
 
     def export(self, ema, out, result):

@@ -31,7 +31,7 @@ from iws_gym.models.dynamics import fit_agent_motion
 from iws_gym.models.frames import frames_to_tensor
 from iws_gym.models.hardware import autocast
 from iws_gym.training.common import StageBase, arg
-from iws_gym.training.compact1 import data_dirs
+from iws_gym.training.compact1 import COLLAPSED, data_dirs
 
 
 @dataclass
@@ -203,6 +203,9 @@ class Stage(StageBase):
                                     s1.encoder, device, a.amp)
             Path(a.out).mkdir(parents=True, exist_ok=True)
             atomic_torch_save(self.L, cache)
+        if (sd := self.L.z.std(0).mean().item()) < COLLAPSED:
+            raise ValueError(f"{self.s1_file} encodes every frame to the same z (mean spread {sd:.1e}): a collapsed "
+                             f"stage 1; train a new one")
         val = list(heldout_episodes(self.task, 16, 48, "validation"))  # never trained on
         self.val = Latents.encode(val, s1.encoder, device, a.amp)
         self.moving = self.L.moving_frames() if o.moving_share else None
