@@ -10,7 +10,8 @@
 # stage 1's ceiling and the T's place), the 10-policy study on 32
 # starts (after the trust calibration, issue 34), issue 33's whole-range study, the bench against the shipped weights (back to back), the contact
 # starts. A row whose report exists is skipped, so rerunning after an interruption continues. One thread per
-# command; run it alone on 2 cores, or beside one other job.
+# command; run it alone on 2 cores, or beside one other job, or as two lanes, one per core:
+#   LANE=a scripts/issue36_table.sh R P & LANE=b scripts/issue36_table.sh R P   # b waits for a's trust calibration
 set -euo pipefail
 R=$1
 P=$2
@@ -25,36 +26,39 @@ else
   E48=48 E16=16 H=192 STEPS=1000 DRIVES=16 E32=32 H32=120 EW=16 HW=300 BENCH="--steps 300 --batch-sizes 1 8 --batch-steps 10 --rollout-steps 100" CS=16 CAL="" ET=16 HT=120 FIT="--fit --fit-episodes 16"
 fi
 mkdir -p "$OUT"
-run() {  # REPORT COMMAND...: run COMMAND unless REPORT exists
+LANE=${LANE:-ab}
+run() {  # REPORT COMMAND...: run COMMAND unless REPORT exists (or the row belongs to the other lane)
   local report=$1; shift
   if [ -f "$report" ]; then echo "skip $report"; return; fi
   echo "+ $*"; "$@"
 }
-run "$OUT/${P}_fidelity_48.json" $IWS eval fidelity --checkpoint "$R" --horizon $H --episodes $E48 --split set4 \
+lane() { [[ $LANE == *$1* ]]; }
+lane a && run "$OUT/${P}_fidelity_48.json" $IWS eval fidelity --checkpoint "$R" --horizon $H --episodes $E48 --split set4 \
   --json "$OUT/${P}_fidelity_48.json"
-run "$OUT/${P}_fidelity_16.json" $IWS eval fidelity --checkpoint "$R" --horizon $H --episodes $E16 \
+lane a && run "$OUT/${P}_fidelity_16.json" $IWS eval fidelity --checkpoint "$R" --horizon $H --episodes $E16 \
   --json "$OUT/${P}_fidelity_16.json" --grid "$OUT/${P}_fidelity_16_grid.png"
-if [ "${IWS_T36_SCALE:-full}" != tiny ]; then
+if lane a && [ "${IWS_T36_SCALE:-full}" != tiny ]; then
   run "$OUT/${P}_vs_shipped_16.json" $IWS eval compare reports/fidelity_stage2_rerun.json "$OUT/${P}_fidelity_16.json" \
     --json "$OUT/${P}_vs_shipped_16.json"
 fi
-run "$OUT/${P}_stability_1000x16.json" $IWS eval stability --checkpoint "$R" --steps $STEPS --check-every 10 \
+lane b && run "$OUT/${P}_stability_1000x16.json" $IWS eval stability --checkpoint "$R" --steps $STEPS --check-every 10 \
   --drives $DRIVES --actions random scripted hold --ground-truth $CAL --json "$OUT/${P}_stability_1000x16.json"
 # the trust signal's calibration (issue 34) is written into the release first, so the studies below report
 # their trusted-only figures with it
-run "$OUT/${P}_trust.json" $IWS eval trust --checkpoint "$R" $FIT --episodes $ET --steps $HT \
+lane a && run "$OUT/${P}_trust.json" $IWS eval trust --checkpoint "$R" $FIT --episodes $ET --steps $HT \
   --plot "$OUT/${P}_trust.png" --json "$OUT/${P}_trust.json"
-run "$OUT/${P}_correlate_32.json" $IWS eval correlate --checkpoint "$R" --episodes $E32 --horizon $H32 --workers 1 \
+lane a && run "$OUT/${P}_correlate_32.json" $IWS eval correlate --checkpoint "$R" --episodes $E32 --horizon $H32 --workers 1 \
   --plot "$OUT/${P}_correlate_32.png" --json "$OUT/${P}_correlate_32.json"
-run "$OUT/${P}_correlate_whole_range.json" $IWS eval correlate --checkpoint "$R" --episodes $EW --horizon $HW --workers 1 \
+lane b && run "$OUT/${P}_contact_starts.json" $PYTHON scripts/contact_starts.py "$R" "$OUT/${P}_contact_starts.json" $CS
+if lane b; then while [ ! -f "$OUT/${P}_trust.json" ]; do sleep 10; done; fi  # the calibration the studies use
+lane b && run "$OUT/${P}_correlate_whole_range.json" $IWS eval correlate --checkpoint "$R" --episodes $EW --horizon $HW --workers 1 \
   --add-policy vm_step5000=$S/vm_step5000.safetensors --add-policy vm_bc=$S/vm_bc.safetensors \
   --add-policy vm_round1=$S/vm_round1.safetensors --add-policy vm_markov_round2=$S/vm_markov_round2.safetensors \
   --add-policy visuomotor=iws_gym.policies:visuomotor \
   --add-policy expert=iws_gym.policies:ExpertPusher --plot "$OUT/${P}_correlate_whole_range.png" \
   --json "$OUT/${P}_correlate_whole_range.json"
-if [ ! -f "$OUT/${P}_bench.json" ]; then  # back to back with the shipped weights, on the same machine
+if lane a && [ ! -f "$OUT/${P}_bench.json" ]; then  # back to back with the shipped weights, on the same machine
   $IWS bench --checkpoint "$R" $BENCH --json "$OUT/${P}_bench.json"
   $IWS bench $BENCH --json "$OUT/${P}_bench_shipped.json"
 fi
-run "$OUT/${P}_contact_starts.json" $PYTHON scripts/contact_starts.py "$R" "$OUT/${P}_contact_starts.json" $CS
 echo "issue 36 table of $R: done"

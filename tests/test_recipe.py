@@ -113,3 +113,5 @@ def test_issue36_table_script_runs_at_toy_scale(tmp_path):
     assert {f"t_{n}.json" for n in names} <= {p.name for p in out.iterdir()}
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.count("skip ") == 7
+    lane_b = subprocess.run(cmd, cwd=ROOT, env={**env, "LANE": "b"}, capture_output=True, text=True, timeout=300)
+    assert lane_b.returncode == 0 and lane_b.stdout.count("skip ") == 3  # its own rows only: the other lane's stay out
