@@ -196,16 +196,15 @@ class Stage(StageBase):
         eps = [read_episode(p, ["agent_pos", "actions"]) for p in paths]
         law, self.law_fit = fit_agent_motion([e["agent_pos"] for e in eps], [e["actions"] for e in eps])
         cache = Path(a.out) / f"latents_{_sha(self.s1_file)}_{len(paths)}.pt"
-        if cache.is_file():
-            self.L = torch.load(cache, weights_only=False)
-        else:
-            self.L = Latents.encode((read_episode(p, ["frames", "agent_pos", "actions"]) for p in paths),
-                                    s1.encoder, device, a.amp)
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            atomic_torch_save(self.L, cache)
-        if (sd := self.L.z.std(0).mean().item()) < COLLAPSED:
+        cached = cache.is_file()
+        self.L = torch.load(cache, weights_only=False) if cached else Latents.encode(
+            (read_episode(p, ["frames", "agent_pos", "actions"]) for p in paths), s1.encoder, device, a.amp)
+        if (sd := self.L.z.std(0).mean().item()) < COLLAPSED:  # checked before a useless cache is written
             raise ValueError(f"{self.s1_file} encodes every frame to the same z (mean spread {sd:.1e}): a collapsed "
                              f"stage 1; train a new one")
+        if not cached:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(self.L, cache)
         val = list(heldout_episodes(self.task, 16, 48, "validation"))  # never trained on
         self.val = Latents.encode(val, s1.encoder, device, a.amp)
         self.moving = self.L.moving_frames() if o.moving_share else None
