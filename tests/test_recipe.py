@@ -47,6 +47,8 @@ def test_compact_recipe_collects_four_kinds_of_data_and_releases_a_compact_model
     assert log["steps"]["collect_play_more"]["episodes"] == 19 and log["steps"]["collect_random_more"]["seeds"][0] == 400000
     assert "data_play_more" in log["steps"]["compact2"]["command"] and "data_play_more" not in log["steps"]["compact1"]["command"]
     assert log["steps"]["collect_expert_more"]["seeds"][0] == 600000 and "data_expert_more" in log["steps"]["compact2"]["command"]
+    order = list(log["steps"])  # stage 2's own collections wait for stage 1: a resumed stage 1 needs only its data
+    assert order.index("collect_jittery") < order.index("compact1") < order.index("collect_play_more")
     from iws_gym.models.compact import CompactWorldModel
     from iws_gym.models.world_model import WorldModel
 

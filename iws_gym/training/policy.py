@@ -254,9 +254,6 @@ class Stage(StageBase):
         save_release(Path(out) / "visuomotor.safetensors", ema.state_dict(), "visuomotor", self.config, extra)
 
 
-WALLS = (7.0, 504.0)  # the inner faces of gym-pusht's walls (segments at 5 and 506 px, radius 2), on both axes
-
-
 def random_state_frames(n: int, frame_size: int, size: int, seed: int = 0, chunk: int = 1000) -> dict:
     """n gym-pusht frames of random states, prepared as the policy sees them: {"frames": (n, size, size, 3) uint8,
     "block_pose": (n, 3)}. The block lies anywhere inside the walls at any angle (demonstrations keep it near the
@@ -264,26 +261,11 @@ def random_state_frames(n: int, frame_size: int, size: int, seed: int = 0, chunk
     leave it); the agent lies anywhere it does not overlap the block."""
     from tqdm import tqdm
 
-    from iws_gym.tasks.pusht.behaviours import t_sdf
-    from iws_gym.tasks.pusht.geometry import AGENT_RADIUS
-    from iws_gym.tasks.pusht.groundtruth import make_env, render_states, t_polygons
+    from iws_gym.tasks.pusht.behaviours import scattered_state
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_states
 
-    lo, hi = WALLS
     rng = np.random.default_rng([seed, 7])
-    poses, agents = [], []
-    while len(poses) < n:
-        b = np.array([*rng.uniform(20, 492, 2), rng.uniform(-np.pi, np.pi)])
-        if rng.random() < 1 / 3:  # against a wall: shift the block until its outermost corner is 0-10 px from it
-            corners = np.concatenate(t_polygons(b))
-            axis, side = rng.integers(2), rng.integers(2)
-            gap = rng.uniform(0, 10)
-            b[axis] += (lo + gap - corners[:, axis].min()) if side == 0 else (hi - gap - corners[:, axis].max())
-        a = rng.uniform(15, 497, 2)
-        corners = np.concatenate(t_polygons(b))
-        if corners.min() < lo or corners.max() > hi or t_sdf(a[None], b)[0] < AGENT_RADIUS:
-            continue
-        poses.append(b)
-        agents.append(a)
+    agents, poses = zip(*(scattered_state(rng) for _ in range(n)))
     poses, agents = np.array(poses, np.float32), np.array(agents)
     env, frames = make_env(frame_size), np.empty((n, size, size, 3), np.uint8)
     for i in tqdm(range(0, n, chunk), desc="rendering random states for the reader", unit="chunk"):

@@ -7,8 +7,8 @@
 Steps, in order: collect the dataset (OUT/data), train stage 1 (OUT/stage1), train stage 2 on it
 (OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>). The compact
 design also collects the planning expert's pushes and uniform-random and jittery drives (OUT/data_expert,
-OUT/data_random, OUT/data_jittery), on which with OUT/data stage 1 trains (OUT/compact1), and 3.4 times as
-many play, random and jittery episodes again (OUT/data_*_more) for stage 2 alone (OUT/compact2). A step
+OUT/data_random, OUT/data_jittery), on which with OUT/data stage 1 trains (OUT/compact1), and, once stage 1 is
+done, 3.4 times as many episodes again (OUT/data_*_more) for stage 2 alone (OUT/compact2). A step
 that is done is skipped; one that was interrupted resumes from its checkpoint when the same command runs
 again. `--max-minutes` (per training stage) or `--budget-minutes` (the whole recipe, shared out between
 the stages) stop a stage after a checkpoint: rerun the command to continue, or, with --budget-minutes,
@@ -128,9 +128,18 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         meta = collect(task, r.episodes, data, seed=r.seed, steps=r.episode_steps, resume=data.is_dir(), workers=r.workers)
         note("collect", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"], episodes=r.episodes)
     stage1_extra, stage2_extra = [], []  # the compact stages' --extra-data
-    if r.design == "compact":  # competent pushes, fast random drives and jittery pushes: scenes play rarely shows
-        for folder, mix, per_1000, offset, stage2_only in COMPACT_DATA:
-            if mix not in task.module.MIXES:  # e.g. pile sweeping has no jittery pushes
+    compact_data = [c for c in COMPACT_DATA if c[1] in task.module.MIXES] if r.design == "compact" else []
+    for folder, mix, per_1000, offset, stage2_only in compact_data:  # e.g. pile sweeping has no jittery pushes
+        stage2_extra.append(str(out / folder))
+        if not stage2_only:
+            stage1_extra.append(str(out / folder))
+
+    def collect_extra(stage: int):
+        """The compact design's extra collections one stage needs: competent pushes, fast random drives and
+        jittery pushes, scenes play rarely shows. Stage 2's own are collected only once stage 1 is done, so that
+        a stage-1 run resumed on a fresh machine waits for its own data alone."""
+        for folder, mix, per_1000, offset, stage2_only in compact_data:
+            if stage2_only and stage == 1:
                 continue
             n, d = max(1, r.episodes * per_1000 // 1000), out / folder
             f = d / "dataset.json"
@@ -140,9 +149,6 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
                                workers=r.workers)
                 note(f"collect_{folder.removeprefix('data_')}", wall_s=round(time.time() - t0, 1), seeds=meta["seeds"],
                      episodes=n)
-            stage2_extra.append(str(d))
-            if not stage2_only:
-                stage1_extra.append(str(d))
 
     def minutes(share: float):
         if r.budget_minutes is None:
@@ -163,10 +169,11 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
         ("stage2", r.stage2_steps, ["--lr", r.stage2_lr, "--batch", sc["stage2"]["batch"], "--preset", sc["stage2"]["preset"],
                                     "--init", out / "stage1", "--objective", r.objective, *task.module.STAGE2_OPTIONS], 1.0),
     ]
-    for name, steps, flags, share in stages:
+    for i, (name, steps, flags, share) in enumerate(stages):
         run = out / name
         if _finished(run, steps):
             continue
+        collect_extra(stage=i + 1)
         mins = minutes(share)
         argv_stage = ["--data", data, "--out", run, "--steps", steps, "--seed", r.seed, "--eval-every", r.eval_every,
                       "--device", r.device, *flags] + (["--max-minutes", mins] if mins is not None else [])

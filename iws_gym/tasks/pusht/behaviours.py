@@ -296,6 +296,29 @@ def sample_episode_plan(rng: np.random.Generator, steps: int):
     return plan, False
 
 
+WALLS = (7.0, 504.0)  # the inner faces of gym-pusht's walls (segments at 5 and 506 px, radius 2), on both axes
+
+
+def scattered_state(rng: np.random.Generator, wall_share: float = 1 / 3) -> tuple[np.ndarray, np.ndarray]:
+    """A random valid state: (agent position (2,), block pose (3,)). The block lies anywhere inside the walls at
+    any angle (play and demonstrations keep it near the middle), with probability `wall_share` pressed against a
+    wall (its outermost corner 0-10 px from it); the agent lies anywhere it does not overlap the block."""
+    from iws_gym.tasks.pusht.groundtruth import t_polygons
+
+    lo, hi = WALLS
+    while True:
+        b = np.array([*rng.uniform(20, 492, 2), rng.uniform(-np.pi, np.pi)])
+        if rng.random() < wall_share:  # against a wall: shift the block until its outermost corner is 0-10 px from it
+            corners = np.concatenate(t_polygons(b))
+            axis, side = rng.integers(2), rng.integers(2)
+            gap = rng.uniform(0, 10)
+            b[axis] += (lo + gap - corners[:, axis].min()) if side == 0 else (hi - gap - corners[:, axis].max())
+        a = rng.uniform(15, 497, 2)
+        corners = np.concatenate(t_polygons(b))
+        if corners.min() >= lo and corners.max() <= hi and t_sdf(a[None], b)[0] >= AGENT_RADIUS:
+            return a, b
+
+
 def near_goal_state(rng: np.random.Generator) -> np.ndarray:
     """A start with the block near the goal pose and the agent somewhere clear of it."""
     block = GOAL_POSE + np.array([rng.normal(0, 25), rng.normal(0, 25), rng.normal(0, 0.35)])
