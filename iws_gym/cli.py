@@ -265,16 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=None, help="steps per episode (default: the task's episode_steps)")
     c.add_argument("--resume", action="store_true", help="complete an interrupted collection in --out")
     c.add_argument("--workers", type=int, default=1, help="processes recording episodes at once (one per core)")
-    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention", "expert_markov", "scattered"],
+    c.add_argument("--mix", default="play", choices=["play", "jittery", "random", "expert", "intervention", "expert_markov"],
                    help="play: the task's default behaviour mix; jittery: whole episodes of pushing with random jumps; "
                         "random: whole episodes of a uniform-random target every step (the stability check's random drive); "
                         "expert: demonstrations of the task's demonstrator (tpushing: the planning expert; pilesweeping: "
                         "the scripted sweeper), each ending at success; expert_markov (tpushing): the planning expert "
                         "replanning every 8 steps from the state alone, a teacher a chunked policy can imitate; intervention: --policy "
                         "acts for 10-199 steps, then the expert takes over (DAgger-style corrections; the learner's "
-                        "steps are stored as segment 'learner' and never imitated); scattered (tpushing): the play mix from a random "
-                        "valid state, the T anywhere at any angle, a third of the time against a wall. pilesweeping "
-                        "takes play, random, expert")
+                        "steps are stored as segment 'learner' and never imitated). pilesweeping takes play, random, expert")
     c.add_argument("--policy", default=None, help="--mix intervention: the learner, MODULE:CALLABLE or a policy's .safetensors")
     c.set_defaults(fn=cmd_collect)
 

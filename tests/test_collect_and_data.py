@@ -215,31 +215,6 @@ def test_random_mix_records_the_stability_drive_and_resumes_only_as_random(tmp_p
     np.testing.assert_array_equal(read_episode(episode_path(out, 1))["actions"], a)
 
 
-def test_scattered_mix_starts_play_where_play_seldom_goes(tmp_path):
-    """--mix scattered: each episode starts from a random valid state (recorded exactly: the T where the sampler put
-    it, inside the walls), about a third against a wall, then plays the play mix; deterministic and resumable."""
-    from iws_gym.data.collect import mix_of
-    from iws_gym.tasks.pusht.behaviours import scattered_state
-    from iws_gym.tasks.pusht.groundtruth import t_polygons
-
-    out = tmp_path / "scat"
-    collect(TASK, 12, out, seed=31, steps=6, progress=False, mix="scattered")
-    eps = [read_episode(episode_path(out, i)) for i in range(12)]
-    for i, ep in enumerate(eps):
-        agent, block = scattered_state(np.random.default_rng([31 + i, 5]))
-        np.testing.assert_allclose(ep["block_pose"][0], block, atol=1e-3)
-        np.testing.assert_allclose(ep["agent_pos"][0], agent, atol=1e-3)
-        assert mix_of(ep["attrs"]["plan"]) == "scattered" and len(ep["actions"]) == 6
-    corners = np.stack([np.concatenate(t_polygons(b)) for b in (e["block_pose"][0] for e in eps)])
-    margin = np.minimum(corners.min(1), 512 - corners.max(1)).min(1)
-    assert margin.min() >= 6 and (margin < 17).any() and (margin > 40).any()
-    from iws_gym.data.collect import episode_plan
-    from iws_gym.tasks.pusht.task import mix_start
-
-    again = collect_episode(TASK, 33, 6, plan=episode_plan("scattered", 33, 6), options=mix_start("scattered", 33))
-    np.testing.assert_array_equal(again["frames"], eps[2]["frames"])
-
-
 def test_collect_names_a_bad_mix(tmp_path):
     with pytest.raises(ValueError, match="mix must be one of"):
         collect(TASK, 1, tmp_path / "x", mix="chaos", progress=False)

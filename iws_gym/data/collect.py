@@ -63,23 +63,23 @@ def _module(task: TaskConfig | None):
     return task.module
 
 
-def reset_episode(task: TaskConfig, env, seed: int, steps: int, plan=None, options=None):
-    """Reset `env` where `collect_episode(task, seed, steps, plan=plan, options=options)` starts (the play mix,
-    or `options` of the task's `mix_start`, may choose the start): returns the first observation, info and the plan."""
+def reset_episode(task: TaskConfig, env, seed: int, steps: int, plan=None):
+    """Reset `env` where `collect_episode(task, seed, steps, plan=plan)` starts (the play mix may choose the
+    start): returns the first observation, info and the plan."""
+    options = None
     if plan is None:
         plan, options = task.module.play_plan(np.random.default_rng(seed), steps)
     obs, info = env.reset(seed=seed, options=options)
     return obs, info, plan
 
 
-def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None, plan=None, options=None) -> dict:
+def collect_episode(task: TaskConfig, seed: int, steps: int | None = None, env=None, plan=None) -> dict:
     """One episode of scripted play from seed `seed`. Returns the arrays of `data.episodes.ARRAYS` that the
-    task records, plus 'plan'. `plan` ([(name, behaviour, n_steps), ...]) overrides the sampled play mix, and
-    `options` (reset options) the seeded start."""
+    task records, plus 'plan'. `plan` ([(name, behaviour, n_steps), ...]) overrides the sampled play mix."""
     gt = task.module
     steps = steps or task.episode_steps
     env = env or gt.make_env(task.frame_size)
-    obs, info, plan = reset_episode(task, env, seed, steps, plan, options)
+    obs, info, plan = reset_episode(task, env, seed, steps, plan)
     rec = {"frames": [obs["pixels"]], "agent_pos": [obs["agent_pos"]]}
     for k, v in gt.observe(env, info).items():
         rec[k] = [v]
@@ -171,9 +171,7 @@ def _collect_one(job) -> int:
 
             _ENV[policy] = load_policy_factory(policy)()
         learner = _ENV[policy]
-    start = getattr(task.module, "mix_start", None)  # a task may place some mixes' scenes itself
-    ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps, learner, task),
-                         options=start(mix, seed + i) if start else None)
+    ep = collect_episode(task, seed + i, steps, env, plan=episode_plan(mix, seed + i, steps, learner, task))
     attrs = dict(seed=seed + i, task=task.name, segment_names=task.module.SEGMENT_NAMES, **({"learner": policy} if policy else {}),
                  plan=";".join(f"{n}:{k}" for n, k in ep.pop("plan")))
     write_episode(episode_path(out, i), ep, attrs)

@@ -13,9 +13,8 @@ module the task-generic layers (collection, held-out episodes, evaluation) call;
     observe(env, info), step_record(info)
                                   what an episode file records with each observation and each step besides
                                   frames, agent position and action (data/episodes.py: ARRAYS)
-    SEGMENT_NAMES, play_plan(rng, steps), MIXES, mix_plan(mix, seed, steps, learner), mix_of(plan),
-    [mix_start(mix, seed)]        scripted behaviours: the play mix and the other `iws collect --mix` plans, and
-                                  optionally the reset options that place a mix's scene (None: a seeded reset)
+    SEGMENT_NAMES, play_plan(rng, steps), MIXES, mix_plan(mix, seed, steps, learner), mix_of(plan)
+                                  scripted behaviours: the play mix and the other `iws collect --mix` plans
     HELDOUT_BEHAVIOURS, heldout_plan(behaviour, seed, steps)
                                   the behaviours of held-out episodes (evaluation)
     READING_KEYS, readings(pred, ep), rerender(ep, horizon, frame_size), [WHOLE_RULE]

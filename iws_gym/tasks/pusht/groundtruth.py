@@ -63,20 +63,11 @@ def reset_state(env) -> np.ndarray:
     gravity c, which stays put: the body ends at o = p + c - R(angle) c, not at p. Its own seeded reset goes
     through the same call, so the vector to record is p = o - c + R(angle) c for the body position o seen
     now (tests/test_policy_eval.py checks that a seeded reset is reproduced exactly)."""
-    return state_vector(np.array(env.agent.position), np.array([*env.block.position, env.block.angle]),
-                        np.array(env.block.center_of_gravity))
-
-
-def state_vector(agent_pos, block_pose, cog=None) -> np.ndarray:
-    """The `reset_to_state` vector that puts the agent at agent_pos and the block's body at block_pose
-    (x, y, angle), as `info["block_pose"]` reports it (see reset_state for gym-pusht's order)."""
-    from iws_gym.tasks.pusht.geometry import T_COG
-
-    c = np.asarray(T_COG if cog is None else cog, dtype=np.float64)
-    th = float(block_pose[2])
+    o, th = np.array(env.block.position), float(env.block.angle)
+    c = np.array(env.block.center_of_gravity)
     rot = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
-    p = np.asarray(block_pose[:2], dtype=np.float64) - c + rot @ c
-    return np.array([*agent_pos, *p, th])
+    p = o - c + rot @ c
+    return np.array([*env.agent.position, *p, th])
 
 
 def render_state(state, frame_size: int = 128, env=None) -> np.ndarray:

@@ -4,16 +4,13 @@ Collection plans (`iws collect --mix`): the default play mix, whole-episode jitt
 uniform-random target every step (the stability check's random drive), expert demonstrations (the planning
 expert on the true state; an episode ends at success, as Push-T's demonstrations do), or interventions (a
 learner policy acts for a random 10-199 steps, then the expert takes over and shows how to recover from
-where the learner went: DAgger's data with the expert's corrections as whole pushes), or scattered starts (the
-play mix from a random valid state: the T anywhere inside the walls at any angle, a third of the time pressed
-against a wall, where play and demonstrations seldom take it; its plan begins with an empty "scattered" segment).
+where the learner went: DAgger's data with the expert's corrections as whole pushes).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from iws_gym.tasks.pusht.behaviours import (SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state,
-                                            sample_episode_plan, scattered_state)
+from iws_gym.tasks.pusht.behaviours import SEGMENT_MIX, JitteryPush, RandomTargets, Sweep, near_goal_state, sample_episode_plan
 from iws_gym.tasks.pusht.groundtruth import get_state, make_env, render_state, reset_state  # noqa: F401  (the interface)
 
 SEGMENT_NAMES = [m[0] for m in SEGMENT_MIX] + ["push_near_goal", "push_jittery", "random", "expert", "learner",
@@ -23,7 +20,7 @@ STATE_SIZE, STATE_DOC = 5, "[agent x, y, block x, y, angle]"  # get_state's vect
 # or the agent jumps, the agent erased and the block corrupted in re-renders of the T's pose
 STAGE2_OPTIONS = ["--agent-track", "--focus", "0.5", "--jump-focus", "0.3", "--drop-agent", "0.2",
                   "--corrupt-block", "0.2"]
-MIXES = ("play", "jittery", "random", "expert", "intervention", "expert_markov", "scattered")
+MIXES = ("play", "jittery", "random", "expert", "intervention", "expert_markov")
 PLAY_BEHAVIOURS = ("mix", "unseen", "jittery", "random")  # scripted play and its variants (the trust calibration's)
 HELDOUT_BEHAVIOURS = PLAY_BEHAVIOURS + ("expert",)
 LEARNER_STEPS = (10, 200)  # the learner's part of an intervention episode, drawn uniformly from [lo, hi)
@@ -65,24 +62,13 @@ def mix_plan(mix: str, seed: int, steps: int, learner=None):
         from iws_gym.tasks.pusht.expert import MARKOV, PlanningPusher
 
         return [("expert_markov", PlanningPusher(np.random.default_rng([seed, 3]), **MARKOV), steps)]
-    if mix == "scattered":  # the marker segment takes no steps; mix_start places the scene
-        return [("scattered", None, 0)] + sample_episode_plan(np.random.default_rng([seed, 6]), steps)[0]
     return [("push_jittery", JitteryPush(np.random.default_rng([seed, 1])), steps)]
-
-
-def mix_start(mix: str, seed: int):
-    """The reset options of an episode of `--mix MIX` (None: the ground truth's own seeded reset)."""
-    if mix == "scattered":
-        from iws_gym.tasks.pusht.groundtruth import state_vector
-
-        return {"reset_to_state": state_vector(*scattered_state(np.random.default_rng([seed, 5])))}
-    return None
 
 
 def mix_of(plan: str) -> str:
     """The `--mix` an episode was collected with, from its stored plan attribute ("name:steps;...")."""
     for mix, prefix in (("jittery", "push_jittery:"), ("random", "random:"), ("expert", "expert:"),
-                        ("expert_markov", "expert_markov:"), ("scattered", "scattered:"),
+                        ("expert_markov", "expert_markov:"),
                         ("intervention", "learner:")):
         if plan.startswith(prefix):
             return mix

@@ -1,0 +1,173 @@
+"""Ablation (issue 36, twenty-fourth session; lost): does a compact stage 1 fine-tuned on frames of random valid
+states (the T anywhere, a third of them against a wall; `behaviours.scattered_state`) draw a whole T in more
+round trips of real frames? Its round trips at rare poses draw Y- and L-shaped blends.
+
+    python scripts/compact_latent/stage1_scattered.py eval checkpoints/candidates/compact/stage1.safetensors runs/s1/base.json
+    python scripts/compact_latent/stage1_scattered.py train checkpoints/candidates/compact/stage1.safetensors runs/s1/dec50 \
+        --steps 400 --share 0.5 --lr 3e-5 --ema 0.998 --data DATA --max-episodes 150 --eval-every 400
+    python scripts/compact_latent/stage1_scattered.py report OUT.json runs/s1/base.json runs/s1/dec50 ...
+    python scripts/compact_latent/stage1_scattered.py grid checkpoints/candidates/compact/stage1.safetensors OUT.png
+
+Evaluation sets, all held out: 8 episodes of scripted play and 8 of random targets (600 steps, every 5th frame,
+split stability_check) and 800 random valid states; the whole-T rule calibrated as `iws eval stability` does.
+`whole_given_real`: the share of round trips whole among frames whose real frame passes the rule. Training:
+`--share` of each batch random states (20,000 rendered, seed 0), the rest frames of `--data` (the recipe's play
+collection), frame loss as `iws train compact1`; the encoder frozen unless `--train-encoder`; EMA weights evaluated
+(`--ema 0`: the raw weights).
+"""
+import argparse, json, sys, time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from iws_gym.envs.registry import load_task
+from iws_gym.data.collect import heldout_episodes
+from iws_gym.models.checkpoint import load_release, save_release
+from iws_gym.models.compact import CANVAS, STAGE1_KIND, CompactStage1, CompactStage1Config
+from iws_gym.models.frames import frames_to_tensor
+from iws_gym.evaluation.stability import reference_frames
+from iws_gym.training.common import psnr
+
+task = load_task("tpushing")
+ck = task.module.checks()
+
+
+def random_states(n, seed):
+    from iws_gym.tasks.pusht.behaviours import scattered_state
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_states
+
+    rng = np.random.default_rng([seed, 11])
+    agents, poses = zip(*(scattered_state(rng) for _ in range(n)))
+    agents = np.array(agents, np.float32)
+    env = make_env(128)
+    frames = np.concatenate([render_states(agents[i:i + 500], np.array(poses[i:i + 500]), 128, env) for i in range(0, n, 500)])
+    return frames, agents
+
+
+def eval_sets():
+    cache = Path("runs/stage1_scattered_eval.npz")
+    if cache.is_file():
+        d = np.load(cache)
+        return {k: (d[k + "_f"], d[k + "_a"]) for k in ("scripted", "random", "states")}, d["calib"]
+    sets = {}
+    for name, beh in (("scripted", "mix"), ("random", "random")):
+        eps = list(heldout_episodes(task, 8, 600, "stability_check", behaviour=beh))
+        sets[name] = (np.concatenate([e["frames"][5::5] for e in eps]), np.concatenate([e["agent_pos"][5::5] for e in eps]).astype(np.float32))
+    sets["states"] = random_states(800, seed=12345)
+    calib = reference_frames(task, 8, 200, "stability_calibration")
+    np.savez(cache, calib=calib, **{k + "_f": v[0] for k, v in sets.items()}, **{k + "_a": v[1] for k, v in sets.items()})
+    return sets, calib
+
+
+@torch.no_grad()
+def round_trip(m, f, a):
+    out = []
+    for i in range(0, len(f), 64):
+        x = frames_to_tensor(f[i:i + 64], "cpu")
+        with torch.autocast("cpu", torch.bfloat16):
+            y = m.decoder(m.encoder(x), torch.as_tensor(a[i:i + 64] / CANVAS))
+        out.append(y.float().clamp(-1, 1))
+    y = torch.cat(out)
+    x = frames_to_tensor(f, "cpu")
+    p = psnr(y, x).mean().item()
+    img = ((y.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().clip(0, 255).astype(np.uint8)
+    return img, p
+
+
+def evaluate(m, sets, whole):
+    m.eval()
+    res = {}
+    for k, (f, a) in sets.items():
+        img, p = round_trip(m, f, a)
+        w = np.array([ck.is_whole(g, whole) for g in img])
+        rw = np.array([ck.is_whole(g, whole) for g in f])
+        res[k] = dict(whole=float(w.mean()), psnr=round(p, 2), real_whole=float(rw.mean()),
+                      whole_given_real=float(w[rw].mean()))
+    m.train()
+    return res
+
+
+def load(path):
+    cfg, sd, _ = load_release(Path(path), STAGE1_KIND, CompactStage1Config)
+    m = CompactStage1(cfg)
+    m.load_state_dict(sd)
+    return cfg, m
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["eval", "train", "report", "grid"]); ap.add_argument("stage1"); ap.add_argument("out")
+    ap.add_argument("runs", nargs="*")
+    ap.add_argument("--steps", type=int, default=3000); ap.add_argument("--share", type=float, default=0.5)
+    ap.add_argument("--data", default=""); ap.add_argument("--n-states", type=int, default=20000)
+    ap.add_argument("--lr", type=float, default=1e-4); ap.add_argument("--ema", type=float, default=0.999)
+    ap.add_argument("--train-encoder", action="store_true"); ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-episodes", type=int, default=60); ap.add_argument("--eval-every", type=int, default=500)
+    a = ap.parse_args()
+    if a.mode == "report":  # stage1 is the output file here, out the base evaluation, the rest run folders
+        base = json.loads(Path(a.out).read_text())
+        runs = {Path(r).name: json.loads((Path(r) / "log.json").read_text()) for r in a.runs}
+        rep = dict(command="python " + " ".join(sys.argv), base=dict(stage1="checkpoints/candidates/compact/stage1.safetensors", **base),
+                   runs={k: dict(args=v["args"], evals=v["evals"]) for k, v in runs.items()})
+        Path(a.stage1).write_text(json.dumps(rep, indent=1)); print(json.dumps(rep)[:2000]); return
+    sets, calib = eval_sets()
+    whole = ck.calibrate_whole(calib)
+    cfg, m = load(a.stage1)
+    if a.mode == "grid":  # real | round trip | difference, for random states whose round trip fails the rule
+        from PIL import Image
+
+        f, ag = sets["states"][0][:240], sets["states"][1][:240]
+        img, _ = round_trip(m.eval(), f, ag)
+        bad = [i for i in range(len(f)) if not ck.is_whole(img[i], whole)][:8]
+        rows = [np.concatenate([f[i], img[i], np.abs(f[i].astype(int) - img[i].astype(int)).astype(np.uint8)], 1) for i in bad]
+        Image.fromarray(np.concatenate([np.concatenate(rows[j:j + 2], 1) for j in range(0, len(rows) - 1, 2)])).save(a.out)
+        print(f"{len(bad)} shown; {a.out}"); return
+    if a.mode == "eval":
+        r = evaluate(m, sets, whole)
+        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
+    from iws_gym.training.compact1 import FramesWithAgent
+    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
+    data = FramesWithAgent([Path(d) for d in a.data.split(",") if d], a.max_episodes) if a.share < 1 else None
+    sf, sa = random_states(a.n_states, seed=0) if a.share > 0 else (None, None)
+    if not a.train_encoder:
+        for p in m.encoder.parameters():
+            p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], a.lr)
+    import copy
+    ema = copy.deepcopy(m)
+    rng = np.random.default_rng(0)
+    log = dict(args=vars(a), evals=[])
+    t0 = time.time()
+    for step in range(1, a.steps + 1):
+        ns = int(round(a.batch * a.share))
+        fs, ps = [], []
+        if ns:
+            i = rng.integers(0, len(sf), ns); fs.append(sf[i]); ps.append(sa[i] / CANVAS)
+        if a.batch - ns:
+            f, p = data.sample(rng, a.batch - ns); fs.append(f); ps.append(p)
+        x = frames_to_tensor(np.concatenate(fs), "cpu"); p = torch.as_tensor(np.concatenate(ps), dtype=torch.float32)
+        with torch.autocast("cpu", torch.bfloat16):
+            with torch.set_grad_enabled(a.train_encoder):
+                z = m.encoder(x)
+            y = m.decoder(z + 0.01 * torch.randn_like(z), p)
+            err = (y.float() - x.float()) ** 2
+            fg = ((x - x.median()).abs().amax(1, keepdim=True) > 0.05).float()
+            rec = (err * (1 + 4.0 * fg)).mean()
+            cyc = (m.encoder(y.clamp(-1, 1)).float() - z.float()).pow(2).mean()
+            loss = rec + (0.0 if a.train_encoder else 0.5) * cyc
+        opt.zero_grad(); loss.backward(); opt.step()
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), m.parameters()):
+                pe.lerp_(pm, 1 - a.ema)
+        if step % 50 == 0:
+            print(f"step {step} rec {rec.item():.5f} cyc {cyc.item():.5f} {(time.time()-t0)/step:.2f}s/step", flush=True)
+        if step % a.eval_every == 0 or step == a.steps:
+            log["evals"].append(dict(step=step, **evaluate(ema, sets, whole))); print(log["evals"][-1], flush=True)
+            save_release(out / "stage1.safetensors", ema.state_dict(), STAGE1_KIND, cfg,
+                         dict(finetuned_from=a.stage1, step=step, command=" ".join(sys.argv)))
+            (out / "log.json").write_text(json.dumps(log, indent=1))
+
+
+if __name__ == "__main__":
+    main()
