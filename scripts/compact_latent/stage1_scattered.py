@@ -24,7 +24,7 @@ import torch
 from iws_gym.envs.registry import load_task
 from iws_gym.data.collect import heldout_episodes
 from iws_gym.models.checkpoint import load_release, save_release
-from iws_gym.models.compact import CANVAS, STAGE1_KIND, CompactStage1, CompactStage1Config
+from iws_gym.models.compact import CANVAS, STAGE1_KIND, CompactStage1Config
 from iws_gym.models.frames import frames_to_tensor
 from iws_gym.evaluation.stability import reference_frames
 from iws_gym.training.common import psnr
@@ -88,9 +88,13 @@ def evaluate(m, sets, whole):
     return res
 
 
-def load(path):
+def load(path, train_encoder=False):
+    """The release as compact1's Trainable, whose forward is `iws train compact1`'s loss: with the encoder frozen
+    from step 0 (the cycle term on), or never frozen (`train_encoder`: the term off)."""
+    from iws_gym.training.compact1 import Options, Trainable
+
     cfg, sd, _ = load_release(Path(path), STAGE1_KIND, CompactStage1Config)
-    m = CompactStage1(cfg)
+    m = Trainable(cfg, Options(freeze_encoder_at=1.0 if train_encoder else 0.0), 10 ** 9)
     m.load_state_dict(sd)
     return cfg, m
 
@@ -113,7 +117,7 @@ def main():
         Path(a.stage1).write_text(json.dumps(rep, indent=1)); print(json.dumps(rep)[:2000]); return
     sets, calib = eval_sets()
     whole = ck.calibrate_whole(calib)
-    cfg, m = load(a.stage1)
+    cfg, m = load(a.stage1, a.train_encoder)
     if a.mode == "grid":  # real | round trip | difference, for random states whose round trip fails the rule
         from PIL import Image
 
@@ -147,21 +151,14 @@ def main():
         if a.batch - ns:
             f, p = data.sample(rng, a.batch - ns); fs.append(f); ps.append(p)
         x = frames_to_tensor(np.concatenate(fs), "cpu"); p = torch.as_tensor(np.concatenate(ps), dtype=torch.float32)
-        with torch.autocast("cpu", torch.bfloat16):
-            with torch.set_grad_enabled(a.train_encoder):
-                z = m.encoder(x)
-            y = m.decoder(z + 0.01 * torch.randn_like(z), p)
-            err = (y.float() - x.float()) ** 2
-            fg = ((x - x.median()).abs().amax(1, keepdim=True) > 0.05).float()
-            rec = (err * (1 + 4.0 * fg)).mean()
-            cyc = (m.encoder(y.clamp(-1, 1)).float() - z.float()).pow(2).mean()
-            loss = rec + (0.0 if a.train_encoder else 0.5) * cyc
+        with torch.autocast("cpu", torch.bfloat16):  # compact1's loss: frozen encoder -> cycle term on, else off
+            loss, logs = m((x, p), step)
         opt.zero_grad(); loss.backward(); opt.step()
         with torch.no_grad():
             for pe, pm in zip(ema.parameters(), m.parameters()):
                 pe.lerp_(pm, 1 - a.ema)
         if step % 50 == 0:
-            print(f"step {step} rec {rec.item():.5f} cyc {cyc.item():.5f} {(time.time()-t0)/step:.2f}s/step", flush=True)
+            print(f"step {step} {logs} {(time.time()-t0)/step:.2f}s/step", flush=True)
         if step % a.eval_every == 0 or step == a.steps:
             log["evals"].append(dict(step=step, **evaluate(ema, sets, whole))); print(log["evals"][-1], flush=True)
             save_release(out / "stage1.safetensors", ema.state_dict(), STAGE1_KIND, cfg,
