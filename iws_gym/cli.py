@@ -141,7 +141,8 @@ def cmd_eval_datagen(a):
     from iws_gym.evaluation.datagen import datagen
 
     _emit(datagen(_task(a.task), Path(a.real), Path(a.out), a.episodes, tuple(a.shares), a.train_steps, a.eval_episodes,
-                  a.horizon, a.checkpoint, a.device, Path(a.grid) if a.grid else None, a.preset, a.batch), a.json)
+                  a.horizon, a.checkpoint, a.device, Path(a.grid) if a.grid else None, a.preset, a.batch,
+                  a.successful_only, a.max_generated), a.json)
 
 
 def cmd_eval_probe(a):
@@ -491,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     edg.add_argument("--horizon", type=int, default=300, help="steps per evaluation episode")
     edg.add_argument("--preset", default="default", help="policy model preset (pose: the shipped policy's; tiny: tests)")
     edg.add_argument("--batch", type=int, default=64, help="`iws train-policy --batch` of each policy (1024 with --preset pose)")
+    edg.add_argument("--successful-only", action="store_true",
+                     help="train on generated episodes that end in the learned world's success only (more starts are "
+                          "generated until there are --episodes of them; the all-real policy is shared with the plain run)")
+    edg.add_argument("--max-generated", type=int, default=None,
+                     help="with --successful-only: at most this many generated episodes (default 3 x --episodes)")
     edg.add_argument("--checkpoint", default=None, help="the world model that generates (default: the shipped one)")
     edg.add_argument("--device", default="auto", help="auto | cpu | cuda: where the world model and the training run")
     edg.add_argument("--grid", default=None, help="PNG: real demonstrations above their generated twins")

@@ -145,6 +145,41 @@ def test_datagen_trains_one_policy_per_share_and_scores_them_in_gym_pusht(tiny_c
     assert proc.returncode != 0 and "needs a demonstrator's" in proc.stderr and not (tmp_path / "dg_play").exists()
 
 
+def test_datagen_successful_only_trains_on_generated_successes_and_says_when_there_are_too_few(tiny_checkpoint, tmp_path):
+    """--successful-only: a world where no episode succeeds is refused with the count, after generating up to
+    --max-generated; once enough generated episodes succeed, the generated part links only those, in seed order."""
+    from iws_gym.data.episodes import episode_path, read_episode, write_episode
+    from iws_gym.evaluation.datagen import successful_subset
+
+    real = tmp_path / "real"
+    run_iws("collect", "--mix", "expert", "--episodes", 2, "--steps", 6, "--seed", 40, "--out", real)
+    args = ["eval", "datagen", "--real", real, "--out", tmp_path / "dg", "--episodes", 2, "--train-steps", 2,
+            "--eval-episodes", 2, "--horizon", 3, "--preset", "tiny", "--batch", 3, "--checkpoint", tiny_checkpoint,
+            "--successful-only", "--max-generated", 5, "--json", tmp_path / "dg.json"]
+    proc = run_iws(*args, check=False)  # an untrained world never reaches the goal
+    assert proc.returncode != 0 and "only 0 of 5 generated episodes end in the learned world's success" in proc.stderr
+    gen = tmp_path / "dg" / "generated"
+    assert json.loads((gen / "dataset.json").read_text())["episodes"] == 5  # kept for a rerun
+    for i in (1, 3, 4):  # make three of them successes, as a world that reaches the goal would
+        ep = read_episode(episode_path(gen, i))
+        ep["coverage"][-1] = 1.0
+        write_episode(episode_path(gen, i), ep, ep.pop("attrs"))
+    with pytest.raises(ValueError, match="3 of its 5 episodes end in success, 4 are needed"):
+        successful_subset(gen, tmp_path / "sub", 4)
+    run_iws(*args)
+    r = json.loads((tmp_path / "dg.json").read_text())
+    sub = json.loads((tmp_path / "dg" / "generated_successful" / "dataset.json").read_text())
+    assert r["successful_only"] and r["generated"]["kept"] == 2 and r["generated"]["episodes"] == 5
+    assert sub["source_indices"] == [1, 3] and sub["seeds"] == [41, 43] and sub["success_rate_of_source"] == 0.6
+    linked = read_episode(episode_path(tmp_path / "dg" / "generated_successful", 1))
+    assert linked["attrs"]["seed"] == 43 and linked["coverage"][-1] == 1.0
+    assert r["policies"]["generated_100pct"]["data"] == f"{tmp_path / 'dg' / 'generated_successful'}:0-2"
+    assert (tmp_path / "dg" / "2ep_successful" / "generated_100pct" / "visuomotor.safetensors").is_file()
+    assert (tmp_path / "dg" / "2ep" / "generated_0pct" / "visuomotor.safetensors").is_file()  # shared with the plain run
+    proc = run_iws(*args[:-4], "--max-generated", 1, check=False)
+    assert proc.returncode != 0 and "--max-generated must be >= --episodes (2), got 1" in proc.stderr
+
+
 def test_the_markov_demonstrator_reads_the_frame_and_replans_every_chunk():
     from iws_gym.evaluation.datagen import DEMONSTRATORS
     from iws_gym.policies import MarkovExpertPusher, load_policy_factory
