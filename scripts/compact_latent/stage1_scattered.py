@@ -7,6 +7,12 @@ round trips of real frames? Its round trips at rare poses draw Y- and L-shaped b
         --steps 400 --share 0.5 --lr 3e-5 --ema 0.998 --data DATA --max-episodes 150 --eval-every 400
     python scripts/compact_latent/stage1_scattered.py report OUT.json runs/s1/base.json runs/s1/dec50 ...
     python scripts/compact_latent/stage1_scattered.py grid checkpoints/candidates/compact/stage1.safetensors OUT.png
+    python scripts/compact_latent/stage1_scattered.py zopt checkpoints/candidates/compact/stage1.safetensors OUT.json --n 48
+
+`zopt` (twenty-fifth session) asks whose fault a blend is: for the first --n random states whose round trip is not
+whole (and 16 whose round trip is, as a control), z is optimised by Adam (lr 0.02) on the frame's MSE through the
+frozen decoder, starting from the encoder's code; the report gives the whole share and PSNR after 10, 30, 100
+and 300 steps and where the optimised codes lie against the encoder's codes of all 800 states.
 
 Evaluation sets, all held out: 8 episodes of scripted play and 8 of random targets (600 steps, every 5th frame,
 split stability_check) and 800 random valid states; the whole-T rule calibrated as `iws eval stability` does.
@@ -88,6 +94,44 @@ def evaluate(m, sets, whole):
     return res
 
 
+def optimise_codes(m, states, whole, n, lr=0.02, steps=300, checks=(10, 30, 100, 300)):
+    f, a = states
+    img, _ = round_trip(m, f, a)
+    rw = np.array([ck.is_whole(g, whole) for g in f])
+    w = np.array([ck.is_whole(g, whole) for g in img])
+    for p in m.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        z_all = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")) for i in range(0, len(f), 64)])
+    out = dict(states=len(f), round_trip_whole_given_real=float(w[rw].mean()), lr=lr,
+               encoder_codes=dict(abs_max=float(z_all.abs().max()), sd=float(z_all.std(0).mean())))
+    for name, idx in (("failures", np.flatnonzero(rw & ~w)[:n]), ("control", np.flatnonzero(rw & w)[:16])):
+        x, ag = frames_to_tensor(f[idx], "cpu"), torch.as_tensor(a[idx] / CANVAS)
+        z0 = z_all[idx]
+        z = z0.clone().requires_grad_(True)
+        opt = torch.optim.Adam([z], lr)
+        curve = []
+        for step in range(1, steps + 1):
+            with torch.autocast("cpu", torch.bfloat16):
+                y = m.decoder(z, ag)
+            loss = ((y.float() - x) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step in checks:
+                with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+                    y = m.decoder(z, ag).float().clamp(-1, 1)
+                im = ((y.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().clip(0, 255).astype(np.uint8)
+                curve.append(dict(steps=step, whole=float(np.mean([ck.is_whole(g, whole) for g in im])),
+                                  psnr=round(psnr(y, x).mean().item(), 2)))
+                print(name, curve[-1], flush=True)
+        zd = z.detach()
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            p0 = psnr(m.decoder(z0, ag).float().clamp(-1, 1), x).mean().item()
+        out[name] = dict(n=len(idx), psnr_encoder_code=round(p0, 2), curve=curve,
+                         moved=float((zd - z0).norm(dim=1).mean()), to_nearest_encoder_code=float(torch.cdist(zd, z_all).min(1).values.mean()),
+                         share_outside_tanh_range=float((zd.abs() > 1).float().mean()), abs_max=float(zd.abs().max()))
+    return out
+
+
 def load(path, train_encoder=False):
     """The release as compact1's Trainable, whose forward is `iws train compact1`'s loss: with the encoder frozen
     from step 0 (the cycle term on), or never frozen (`train_encoder`: the term off)."""
@@ -101,12 +145,14 @@ def load(path, train_encoder=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["eval", "train", "report", "grid"]); ap.add_argument("stage1"); ap.add_argument("out")
+    ap.add_argument("mode", choices=["eval", "train", "report", "grid", "zopt"]); ap.add_argument("stage1"); ap.add_argument("out")
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--steps", type=int, default=3000); ap.add_argument("--share", type=float, default=0.5)
     ap.add_argument("--data", default=""); ap.add_argument("--n-states", type=int, default=20000)
     ap.add_argument("--lr", type=float, default=1e-4); ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--train-encoder", action="store_true"); ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--encoder-only", action="store_true", help="train the encoder alone against the frozen decoder")
+    ap.add_argument("--n", type=int, default=48, help="zopt: failures to optimise")
     ap.add_argument("--max-episodes", type=int, default=60); ap.add_argument("--eval-every", type=int, default=500)
     a = ap.parse_args()
     if a.mode == "report":  # stage1 is the output file here, out the base evaluation, the rest run folders
@@ -117,7 +163,7 @@ def main():
         Path(a.stage1).write_text(json.dumps(rep, indent=1)); print(json.dumps(rep)[:2000]); return
     sets, calib = eval_sets()
     whole = ck.calibrate_whole(calib)
-    cfg, m = load(a.stage1, a.train_encoder)
+    cfg, m = load(a.stage1, a.train_encoder or a.encoder_only)
     if a.mode == "grid":  # real | round trip | difference, for random states whose round trip fails the rule
         from PIL import Image
 
@@ -127,6 +173,10 @@ def main():
         rows = [np.concatenate([f[i], img[i], np.abs(f[i].astype(int) - img[i].astype(int)).astype(np.uint8)], 1) for i in bad]
         Image.fromarray(np.concatenate([np.concatenate(rows[j:j + 2], 1) for j in range(0, len(rows) - 1, 2)])).save(a.out)
         print(f"{len(bad)} shown; {a.out}"); return
+    if a.mode == "zopt":
+        r = optimise_codes(m.eval(), sets["states"], whole, a.n)
+        r["command"] = "python " + " ".join(sys.argv)
+        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
     if a.mode == "eval":
         r = evaluate(m, sets, whole)
         print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
@@ -134,8 +184,11 @@ def main():
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     data = FramesWithAgent([Path(d) for d in a.data.split(",") if d], a.max_episodes) if a.share < 1 else None
     sf, sa = random_states(a.n_states, seed=0) if a.share > 0 else (None, None)
-    if not a.train_encoder:
+    if not (a.train_encoder or a.encoder_only):
         for p in m.encoder.parameters():
+            p.requires_grad_(False)
+    if a.encoder_only:
+        for p in m.decoder.parameters():
             p.requires_grad_(False)
     opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], a.lr)
     import copy
