@@ -71,6 +71,7 @@ def successful_subset(gen: Path, out: Path, n: int) -> dict:
     if (out / "dataset.json").is_file() and load_meta(out).get("source_indices") == keep:
         return load_meta(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "dataset.json").unlink(missing_ok=True)  # written last: an interrupted relinking is redone
     for f in out.glob("ep_*.h5"):
         f.unlink()
     for j, i in enumerate(keep):
