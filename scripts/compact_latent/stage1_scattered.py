@@ -31,7 +31,7 @@ from iws_gym.envs.registry import load_task
 from iws_gym.data.collect import heldout_episodes
 from iws_gym.models.checkpoint import load_release, save_release
 from iws_gym.models.compact import CANVAS, STAGE1_KIND, CompactStage1Config
-from iws_gym.models.frames import frames_to_tensor
+from iws_gym.models.frames import frames_to_tensor, tensor_to_frames
 from iws_gym.evaluation.stability import reference_frames
 from iws_gym.training.common import psnr
 
@@ -77,8 +77,7 @@ def round_trip(m, f, a):
     y = torch.cat(out)
     x = frames_to_tensor(f, "cpu")
     p = psnr(y, x).mean().item()
-    img = ((y.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().clip(0, 255).astype(np.uint8)
-    return img, p
+    return tensor_to_frames(y), p
 
 
 def evaluate(m, sets, whole):
@@ -119,7 +118,7 @@ def optimise_codes(m, states, whole, n, lr=0.02, steps=300, checks=(10, 30, 100,
             if step in checks:
                 with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
                     y = m.decoder(z, ag).float().clamp(-1, 1)
-                im = ((y.permute(0, 2, 3, 1).numpy() + 1) * 127.5).round().clip(0, 255).astype(np.uint8)
+                im = tensor_to_frames(y)
                 curve.append(dict(steps=step, whole=float(np.mean([ck.is_whole(g, whole) for g in im])),
                                   psnr=round(psnr(y, x).mean().item(), 2)))
                 print(name, curve[-1], flush=True)
