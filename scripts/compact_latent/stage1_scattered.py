@@ -3,16 +3,23 @@ states (the T anywhere, a third of them against a wall; `behaviours.scattered_st
 round trips of real frames? Its round trips at rare poses draw Y- and L-shaped blends.
 
     python scripts/compact_latent/stage1_scattered.py eval checkpoints/candidates/compact/stage1.safetensors runs/s1/base.json
+    python scripts/compact_latent/stage1_scattered.py eval runs/recipe_compact/compact1/last.pt runs/s1/recipe.json  # mid-training
     python scripts/compact_latent/stage1_scattered.py train checkpoints/candidates/compact/stage1.safetensors runs/s1/dec50 \
         --steps 400 --share 0.5 --lr 3e-5 --ema 0.998 --data DATA --max-episodes 150 --eval-every 400
     python scripts/compact_latent/stage1_scattered.py report OUT.json runs/s1/base.json runs/s1/dec50 ...
     python scripts/compact_latent/stage1_scattered.py grid checkpoints/candidates/compact/stage1.safetensors OUT.png
     python scripts/compact_latent/stage1_scattered.py zopt checkpoints/candidates/compact/stage1.safetensors OUT.json --n 48
+    python scripts/compact_latent/stage1_scattered.py codes checkpoints/candidates/compact/stage1.safetensors OUT.json
+    python scripts/compact_latent/stage1_scattered.py injectivity checkpoints/candidates/compact/stage1.safetensors OUT.json
 
 `zopt` (twenty-fifth session) asks whose fault a blend is: for the first --n random states whose round trip is not
 whole (and 16 whose round trip is, as a control), z is optimised by Adam (lr 0.02) on the frame's MSE through the
 frozen decoder, starting from the encoder's code; the report gives the whole share and PSNR after 10, 30, 100
 and 300 steps and where the optimised codes lie against the encoder's codes of all 800 states.
+
+`codes` and `injectivity` (twenty-sixth session) ask whether blended round trips are the frames whose code sits at
+tanh's edge, or whose code moves little when the T moves; `train --cosine F` decays the rate to F * --lr and
+`--cycle 0` drops the cycle term, to tell the constant rate and the term apart from the random states.
 
 Evaluation sets, all held out: 8 episodes of scripted play and 8 of random targets (600 steps, every 5th frame,
 split stability_check) and 800 random valid states; the whole-T rule calibrated as `iws eval stability` does.
@@ -131,20 +138,88 @@ def optimise_codes(m, states, whole, n, lr=0.02, steps=300, checks=(10, 30, 100,
     return out
 
 
-def load(path, train_encoder=False):
-    """The release as compact1's Trainable, whose forward is `iws train compact1`'s loss: with the encoder frozen
-    from step 0 (the cycle term on), or never frozen (`train_encoder`: the term off)."""
+@torch.no_grad()
+def code_saturation(m, sets, whole, edge=0.95):
+    """Are blended round trips the ones whose code sits at tanh's edge? Per set: the share of z's coordinates with
+    |z| > edge, and the whole share of the round trips, split by whether any coordinate is beyond the edge."""
+    out = dict(edge=edge)
+    for k, (f, a) in sets.items():
+        z = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+        img, _ = round_trip(m, f, a)
+        rw = np.array([ck.is_whole(g, whole) for g in f])
+        w = np.array([ck.is_whole(g, whole) for g in img])[rw]
+        sat = (z.abs() > edge).numpy()[rw]
+        any_sat = sat.any(1)
+        out[k] = dict(frames=int(rw.sum()), coords_beyond_edge=float(sat.mean()), frames_with_one=float(any_sat.mean()),
+                      whole_with_one=float(w[any_sat].mean()) if any_sat.any() else None,
+                      whole_without=float(w[~any_sat].mean()) if (~any_sat).any() else None,
+                      abs_z_mean_whole=float(np.abs(z.numpy()[rw][w]).mean()),
+                      abs_z_mean_blended=float(np.abs(z.numpy()[rw][~w]).mean()) if (~w).any() else None)
+    return out
+
+
+@torch.no_grad()
+def injectivity(m, sets, whole, k=5):
+    """Does the encoder give different poses of the random states different codes? For each of the 800 states,
+    its k nearest neighbours by code: how far their T lies from its T (the mean distance between corresponding
+    corners of the two Ts, frame px), for states whose round trip is whole and for those it blends; and how far
+    its code moves per frame px of corner motion when its T alone moves 2 px along x or y or turns 0.05 rad."""
+    from iws_gym.tasks.pusht.behaviours import scattered_state
+    from iws_gym.tasks.pusht.groundtruth import t_polygons
+
+    f, a = sets["states"]
+    rng = np.random.default_rng([12345, 11])  # the poses random_states(800, seed=12345) drew
+    poses = np.array([scattered_state(rng)[1] for _ in range(len(f))])
+    corners = np.stack([np.concatenate(t_polygons(b)) for b in poses]) / 4  # (N, C, 2) in 128-px frame units
+    z = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+    img, _ = round_trip(m, f, a)
+    w = np.array([ck.is_whole(g, whole) for g in img])
+    dz = torch.cdist(z, z).numpy()
+    np.fill_diagonal(dz, np.inf)
+    nn_ = np.argsort(dz, 1)[:, :k]
+    pose_d = np.linalg.norm(corners[:, None] - corners[nn_], axis=-1).mean(-1)  # (N, k)
+    far = (pose_d > 10).mean(1)  # share of the k code-neighbours whose T lies > 10 px away
+    # sensitivity: how far the code moves when the T moves 2 frame px along x, along y, or turns 0.05 rad
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_states
+
+    env = make_env(128)
+    sens = []
+    for d in ((8.0, 0, 0), (0, 8.0, 0), (0, 0, 0.05)):
+        q = poses + np.array(d)
+        fq = np.concatenate([render_states(a[i:i + 500], q[i:i + 500], 128, env) for i in range(0, len(f), 500)])
+        zq = torch.cat([m.encoder(frames_to_tensor(fq[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+        cq = np.stack([np.concatenate(t_polygons(b)) for b in q]) / 4
+        sens.append((zq - z).norm(dim=1).numpy() / np.linalg.norm(cq - corners, axis=-1).mean(-1))
+    sens = np.stack(sens, 1)  # (N, 3): code distance per frame px of corner motion
+    out = dict(k=k, states=len(f), whole=float(w.mean()))
+    for name, sel in (("whole", w), ("blended", ~w)):
+        out[name] = dict(n=int(sel.sum()), code_dist_nn1_median=float(np.median(dz[sel].min(1))),
+                         pose_px_of_code_nn1_median=float(np.median(pose_d[sel, 0])),
+                         pose_px_of_code_nn_mean_median=float(np.median(pose_d[sel].mean(1))),
+                         share_of_code_nn_beyond_10px=float(far[sel].mean()),
+                         code_per_px_x_y_angle_median=[round(float(v), 4) for v in np.median(sens[sel], 0)])
+    return out
+
+
+def load(path, train_encoder=False, cycle=0.5):
+    """The release (or a training checkpoint's EMA weights: a .pt file) as compact1's Trainable, whose forward is
+    `iws train compact1`'s loss: with the encoder frozen from step 0 (the cycle term on), or never frozen
+    (`train_encoder`: the term off)."""
     from iws_gym.training.compact1 import Options, Trainable
 
-    cfg, sd, _ = load_release(Path(path), STAGE1_KIND, CompactStage1Config)
-    m = Trainable(cfg, Options(freeze_encoder_at=1.0 if train_encoder else 0.0), 10 ** 9)
+    if str(path).endswith(".pt"):  # a training checkpoint (`iws train compact1`'s last.pt): its EMA weights
+        ck_ = torch.load(path, map_location="cpu", weights_only=False)
+        cfg, sd = CompactStage1Config(**ck_["model_config"]), ck_["ema"]
+    else:
+        cfg, sd, _ = load_release(Path(path), STAGE1_KIND, CompactStage1Config)
+    m = Trainable(cfg, Options(freeze_encoder_at=1.0 if train_encoder else 0.0, cycle=cycle), 10 ** 9)
     m.load_state_dict(sd)
     return cfg, m
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["eval", "train", "report", "grid", "zopt"]); ap.add_argument("stage1"); ap.add_argument("out")
+    ap.add_argument("mode", choices=["eval", "train", "report", "grid", "zopt", "codes", "injectivity"]); ap.add_argument("stage1"); ap.add_argument("out")
     ap.add_argument("runs", nargs="*")
     ap.add_argument("--steps", type=int, default=3000); ap.add_argument("--share", type=float, default=0.5)
     ap.add_argument("--data", default=""); ap.add_argument("--n-states", type=int, default=20000)
@@ -152,6 +227,9 @@ def main():
     ap.add_argument("--train-encoder", action="store_true"); ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--encoder-only", action="store_true", help="train the encoder alone against the frozen decoder")
     ap.add_argument("--n", type=int, default=48, help="zopt: failures to optimise")
+    ap.add_argument("--cycle", type=float, default=0.5, help="weight of compact1's cycle term (frozen encoder only)")
+    ap.add_argument("--cosine", type=float, default=None,
+                    help="decay the rate by a cosine to this share of --lr over --steps (default: constant)")
     ap.add_argument("--max-episodes", type=int, default=60); ap.add_argument("--eval-every", type=int, default=500)
     a = ap.parse_args()
     if a.mode == "report":  # stage1 is the output file here, out the base evaluation, the rest run folders
@@ -162,7 +240,7 @@ def main():
         Path(a.stage1).write_text(json.dumps(rep, indent=1)); print(json.dumps(rep)[:2000]); return
     sets, calib = eval_sets()
     whole = ck.calibrate_whole(calib)
-    cfg, m = load(a.stage1, a.train_encoder or a.encoder_only)
+    cfg, m = load(a.stage1, a.train_encoder or a.encoder_only, a.cycle)
     if a.mode == "grid":  # real | round trip | difference, for random states whose round trip fails the rule
         from PIL import Image
 
@@ -176,8 +254,16 @@ def main():
         r = optimise_codes(m.eval(), sets["states"], whole, a.n)
         r["command"] = "python " + " ".join(sys.argv)
         print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
+    if a.mode == "injectivity":
+        r = dict(stage1=a.stage1, command="python " + " ".join(sys.argv), **injectivity(m.eval(), sets, whole))
+        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
+    if a.mode == "codes":
+        r = dict(stage1=a.stage1, command="python " + " ".join(sys.argv), **code_saturation(m.eval(), sets, whole))
+        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
     if a.mode == "eval":
-        r = evaluate(m, sets, whole)
+        r = dict(stage1=a.stage1, **evaluate(m, sets, whole))
+        if a.stage1.endswith(".pt"):
+            r["step"] = torch.load(a.stage1, map_location="cpu", weights_only=False)["step"]
         print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
     from iws_gym.training.compact1 import FramesWithAgent
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
@@ -203,6 +289,9 @@ def main():
         if a.batch - ns:
             f, p = data.sample(rng, a.batch - ns); fs.append(f); ps.append(p)
         x = frames_to_tensor(np.concatenate(fs), "cpu"); p = torch.as_tensor(np.concatenate(ps), dtype=torch.float32)
+        if a.cosine is not None:
+            for g in opt.param_groups:
+                g["lr"] = a.lr * (a.cosine + (1 - a.cosine) * 0.5 * (1 + np.cos(np.pi * (step - 1) / a.steps)))
         with torch.autocast("cpu", torch.bfloat16):  # compact1's loss: frozen encoder -> cycle term on, else off
             loss, logs = m((x, p), step)
         opt.zero_grad(); loss.backward(); opt.step()
