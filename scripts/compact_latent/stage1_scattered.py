@@ -208,8 +208,8 @@ def load(path, train_encoder=False, cycle=0.5):
     from iws_gym.training.compact1 import Options, Trainable
 
     if str(path).endswith(".pt"):  # a training checkpoint (`iws train compact1`'s last.pt): its EMA weights
-        ck_ = torch.load(path, map_location="cpu", weights_only=False)
-        cfg, sd = CompactStage1Config(**ck_["model_config"]), ck_["ema"]
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        cfg, sd = CompactStage1Config(**state["model_config"]), state["ema"]
     else:
         cfg, sd, _ = load_release(Path(path), STAGE1_KIND, CompactStage1Config)
     m = Trainable(cfg, Options(freeze_encoder_at=1.0 if train_encoder else 0.0, cycle=cycle), 10 ** 9)
