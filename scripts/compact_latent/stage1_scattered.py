@@ -87,13 +87,23 @@ def round_trip(m, f, a):
     return tensor_to_frames(y), p
 
 
+@torch.no_grad()
+def encode(m, f):
+    """The encoder's codes (N, z_dim) of uint8 frames, 64 at a time."""
+    return torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+
+
+def whole_mask(frames, whole):
+    return np.array([ck.is_whole(g, whole) for g in frames])
+
+
 def evaluate(m, sets, whole):
     m.eval()
     res = {}
     for k, (f, a) in sets.items():
         img, p = round_trip(m, f, a)
-        w = np.array([ck.is_whole(g, whole) for g in img])
-        rw = np.array([ck.is_whole(g, whole) for g in f])
+        w = whole_mask(img, whole)
+        rw = whole_mask(f, whole)
         res[k] = dict(whole=float(w.mean()), psnr=round(p, 2), real_whole=float(rw.mean()),
                       whole_given_real=float(w[rw].mean()))
     m.train()
@@ -103,12 +113,12 @@ def evaluate(m, sets, whole):
 def optimise_codes(m, states, whole, n, lr=0.02, steps=300, checks=(10, 30, 100, 300)):
     f, a = states
     img, _ = round_trip(m, f, a)
-    rw = np.array([ck.is_whole(g, whole) for g in f])
-    w = np.array([ck.is_whole(g, whole) for g in img])
+    rw = whole_mask(f, whole)
+    w = whole_mask(img, whole)
     for p in m.parameters():
         p.requires_grad_(False)
     with torch.no_grad():
-        z_all = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")) for i in range(0, len(f), 64)])
+        z_all = encode(m, f)
     out = dict(states=len(f), round_trip_whole_given_real=float(w[rw].mean()), lr=lr,
                encoder_codes=dict(abs_max=float(z_all.abs().max()), sd=float(z_all.std(0).mean())))
     for name, idx in (("failures", np.flatnonzero(rw & ~w)[:n]), ("control", np.flatnonzero(rw & w)[:16])):
@@ -126,7 +136,7 @@ def optimise_codes(m, states, whole, n, lr=0.02, steps=300, checks=(10, 30, 100,
                 with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
                     y = m.decoder(z, ag).float().clamp(-1, 1)
                 im = tensor_to_frames(y)
-                curve.append(dict(steps=step, whole=float(np.mean([ck.is_whole(g, whole) for g in im])),
+                curve.append(dict(steps=step, whole=float(whole_mask(im, whole).mean()),
                                   psnr=round(psnr(y, x).mean().item(), 2)))
                 print(name, curve[-1], flush=True)
         zd = z.detach()
@@ -144,10 +154,10 @@ def code_saturation(m, sets, whole, edge=0.95):
     |z| > edge, and the whole share of the round trips, split by whether any coordinate is beyond the edge."""
     out = dict(edge=edge)
     for k, (f, a) in sets.items():
-        z = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+        z = encode(m, f)
         img, _ = round_trip(m, f, a)
-        rw = np.array([ck.is_whole(g, whole) for g in f])
-        w = np.array([ck.is_whole(g, whole) for g in img])[rw]
+        rw = whole_mask(f, whole)
+        w = whole_mask(img, whole)[rw]
         sat = (z.abs() > edge).numpy()[rw]
         any_sat = sat.any(1)
         out[k] = dict(frames=int(rw.sum()), coords_beyond_edge=float(sat.mean()), frames_with_one=float(any_sat.mean()),
@@ -165,29 +175,27 @@ def injectivity(m, sets, whole, k=5):
     corners of the two Ts, frame px), for states whose round trip is whole and for those it blends; and how far
     its code moves per frame px of corner motion when its T alone moves 2 px along x or y or turns 0.05 rad."""
     from iws_gym.tasks.pusht.behaviours import scattered_state
-    from iws_gym.tasks.pusht.groundtruth import t_polygons
+    from iws_gym.tasks.pusht.groundtruth import make_env, render_states, t_polygons
 
     f, a = sets["states"]
     rng = np.random.default_rng([12345, 11])  # the poses random_states(800, seed=12345) drew
     poses = np.array([scattered_state(rng)[1] for _ in range(len(f))])
     corners = np.stack([np.concatenate(t_polygons(b)) for b in poses]) / 4  # (N, C, 2) in 128-px frame units
-    z = torch.cat([m.encoder(frames_to_tensor(f[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+    z = encode(m, f)
     img, _ = round_trip(m, f, a)
-    w = np.array([ck.is_whole(g, whole) for g in img])
+    w = whole_mask(img, whole)
     dz = torch.cdist(z, z).numpy()
     np.fill_diagonal(dz, np.inf)
     nn_ = np.argsort(dz, 1)[:, :k]
     pose_d = np.linalg.norm(corners[:, None] - corners[nn_], axis=-1).mean(-1)  # (N, k)
     far = (pose_d > 10).mean(1)  # share of the k code-neighbours whose T lies > 10 px away
     # sensitivity: how far the code moves when the T moves 2 frame px along x, along y, or turns 0.05 rad
-    from iws_gym.tasks.pusht.groundtruth import make_env, render_states
-
     env = make_env(128)
     sens = []
     for d in ((8.0, 0, 0), (0, 8.0, 0), (0, 0, 0.05)):
         q = poses + np.array(d)
         fq = np.concatenate([render_states(a[i:i + 500], q[i:i + 500], 128, env) for i in range(0, len(f), 500)])
-        zq = torch.cat([m.encoder(frames_to_tensor(fq[i:i + 64], "cpu")).float() for i in range(0, len(f), 64)])
+        zq = encode(m, fq)
         cq = np.stack([np.concatenate(t_polygons(b)) for b in q]) / 4
         sens.append((zq - z).norm(dim=1).numpy() / np.linalg.norm(cq - corners, axis=-1).mean(-1))
     sens = np.stack(sens, 1)  # (N, 3): code distance per frame px of corner motion
@@ -250,19 +258,12 @@ def main():
         rows = [np.concatenate([f[i], img[i], np.abs(f[i].astype(int) - img[i].astype(int)).astype(np.uint8)], 1) for i in bad]
         Image.fromarray(np.concatenate([np.concatenate(rows[j:j + 2], 1) for j in range(0, len(rows) - 1, 2)])).save(a.out)
         print(f"{len(bad)} shown; {a.out}"); return
-    if a.mode == "zopt":
-        r = optimise_codes(m.eval(), sets["states"], whole, a.n)
-        r["command"] = "python " + " ".join(sys.argv)
-        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
-    if a.mode == "injectivity":
-        r = dict(stage1=a.stage1, command="python " + " ".join(sys.argv), **injectivity(m.eval(), sets, whole))
-        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
-    if a.mode == "codes":
-        r = dict(stage1=a.stage1, command="python " + " ".join(sys.argv), **code_saturation(m.eval(), sets, whole))
-        print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
-    if a.mode == "eval":
-        r = dict(stage1=a.stage1, **evaluate(m, sets, whole))
-        if a.stage1.endswith(".pt"):
+    measure = dict(zopt=lambda: optimise_codes(m.eval(), sets["states"], whole, a.n),
+                   injectivity=lambda: injectivity(m.eval(), sets, whole),
+                   codes=lambda: code_saturation(m.eval(), sets, whole), eval=lambda: evaluate(m, sets, whole))
+    if a.mode in measure:
+        r = dict(stage1=a.stage1, command="python " + " ".join(sys.argv), **measure[a.mode]())
+        if a.mode == "eval" and a.stage1.endswith(".pt"):
             r["step"] = torch.load(a.stage1, map_location="cpu", weights_only=False)["step"]
         print(json.dumps(r)); Path(a.out).write_text(json.dumps(r, indent=1)); return
     from iws_gym.training.compact1 import FramesWithAgent
