@@ -260,3 +260,70 @@ def test_finetune_refuses_a_stage2_of_another_latent(tiny_dataset, compact, tmp_
     with pytest.raises(Exception, match="predicts z of 6 dims"):
         run_iws("train", "compact2", "--data", tiny_dataset, "--init", compact, "--finetune", other,
                 "--out", tmp_path / "c2", "--steps", 1)
+
+
+def _pushed_latents(n_eps=40, T=60, D=8):
+    """Latents whose change follows the agent: z moves by a fixed map of the agent's step, a world at rest
+    otherwise."""
+    from iws_gym.training.compact2 import Latents
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(2, D, generator=g)
+    zs, ps, acts = [], [], []
+    for _ in range(n_eps):
+        p, z = torch.rand(2, generator=g), 0.3 * torch.randn(D, generator=g)
+        for t in range(T):
+            a = torch.rand(2, generator=g) if t % 10 == 0 else a
+            zs.append(z), ps.append(p), acts.append(a)
+            p2 = p + 0.5 * (a - p)
+            z, p = z + (p2 - p) @ M, p2
+    return Latents(torch.stack(zs), torch.stack(ps), torch.stack(acts), [T] * n_eps)
+
+
+def _train_dynamics(L, steps, **options):
+    from iws_gym.training.compact2 import Options, Trainable, open_loop_error
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    cfg = CompactStage2Config(z_dim=L.z.shape[1], width=64, blocks=2, agent_motion=(1, 0, 0, 0, 0, 0), denoiser_blocks=0)
+    m = Trainable(cfg, Options(**options))
+    dz = torch.cat([L.z[b + 1 : e] - L.z[b : e - 1] for b, e in L.spans])
+    m.dynamics.z_mu.copy_(L.z.mean(0)), m.dynamics.z_sd.copy_(L.z.std(0)), m.dynamics.dz_sd.copy_(dz.std(0))
+    opt = torch.optim.AdamW(m.parameters(), 1e-3)
+    for step in range(steps):
+        H = int(rng.choice([2, 8, 16]))
+        idx, nv, at_rest = L.windows(rng, 64, cfg.context, H, m.o.still)
+        loss, logs = m((idx, nv, at_rest, H, L), step)
+        opt.zero_grad(), loss.backward(), opt.step()
+    m.eval()
+    with torch.no_grad():
+        err, idx, tgt = open_loop_error(m.dynamics, L, np.random.default_rng(1), 256, 8)
+        copy = (((L.z[idx[:, 3:4]] - tgt) / m.dynamics.z_sd) ** 2).mean((0, 2))
+    return m, (err[-1] / copy[-1]).item()
+
+
+def test_the_gate_pull_waits_for_its_warm_up():
+    """At step 0 the gate's L1 pull on windows at rest weighs nothing; it reaches --still-l1 after --gate-warmup."""
+    L = _pushed_latents(n_eps=4)
+    from iws_gym.training.compact2 import Options, Trainable
+
+    m = Trainable(CompactStage2Config(z_dim=8, width=32, blocks=1, agent_motion=LAW, denoiser_blocks=0),
+                  Options(still_l1=1.0, gate_warmup=100, ctx_noise=0.0))
+    idx, nv, at_rest = L.windows(np.random.default_rng(0), 32, 4, 2, still=0.5)
+    losses = [m((idx, nv, at_rest, 2, L), step)[0].item() for step in (0, 50, 100, 500)]
+    gate = m((idx, nv, at_rest, 2, L), 0)[1]["gate_at_rest"]  # the gate starts open (1) everywhere
+    assert gate == pytest.approx(1.0) and losses[1] - losses[0] == pytest.approx(0.5 * gate, rel=1e-4)
+    assert losses[2] - losses[0] == pytest.approx(gate, rel=1e-4) and losses[3] == pytest.approx(losses[2])
+
+
+def test_a_gate_pulled_shut_from_the_start_reopens_and_learns_the_motion():
+    """A strong L1 pull with no warm-up closes the gate everywhere before the change is learnt; with a plain
+    relu it never reopens and the dynamics stay a copy of the last latent (rel_to_copy 1.0, as in the recipe's
+    first stage-2 run). The gradient that opens a closed gate lets it learn the motion anyway."""
+    m, rel = _train_dynamics(_pushed_latents(), 300, still_l1=1.0, gate_warmup=1)
+    assert rel < 0.5
+    L = _pushed_latents(n_eps=8)
+    idx, nv, _ = L.windows(np.random.default_rng(2), 256, 4, 1)
+    with torch.no_grad():
+        _, gate = m.dynamics(L.z[idx[:, :4]], L.p[idx[:, :4]], L.a[idx[:, :4]], torch.full((256,), 4))
+    assert float((gate > 0).float().mean()) > 0.2

@@ -169,6 +169,21 @@ def _mlp_blocks(width, n):
                           for _ in range(n)])
 
 
+class _ReopenableRelu(torch.autograd.Function):
+    """relu(g), whose backward also passes a gradient that would open a closed gate (g <= 0 and the loss falls
+    as g rises): a plain relu passes none there, so a gate closed everywhere early in training stays dead."""
+
+    @staticmethod
+    def forward(ctx, g):
+        ctx.save_for_backward(g)
+        return g.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (g,) = ctx.saved_tensors
+        return torch.where(g > 0, grad, grad.clamp(max=0))
+
+
 class Dynamics(nn.Module):
     """z_{t+1} = z_t + relu(g) * dz from the window: z (B, K, D) (padded slots repeat the first valid one),
     p (B, K, 2) the agent's position and a (B, K, 2) the action at each slot (in [0, 1]), n_valid (B,)."""
@@ -201,7 +216,11 @@ class Dynamics(nn.Module):
         for b in self.blocks:
             h = h + b(h)
         dz = self.out(h) * self.dz_sd
-        gate = F.relu(self.g(h)).squeeze(1) if self.cfg.gate else torch.ones(len(z), device=z.device)
+        if self.cfg.gate:  # the same relu either way; in training a closed gate can still be pulled open
+            g = self.g(h).squeeze(1)
+            gate = _ReopenableRelu.apply(g) if self.training and torch.is_grad_enabled() else F.relu(g)
+        else:
+            gate = torch.ones(len(z), device=z.device)
         return z[:, -1] + dz * gate[:, None], gate
 
 

@@ -8,7 +8,9 @@ Every episode is encoded once by the stage-1 release (cached in OUT). Each train
 context of 1..K latents and is unrolled open loop for 2, H/2 or H steps, the loss on every step (in units of
 z's standard deviation). A share `--still` of the windows shows a world at rest (one frame repeated, the
 agent commanded to stay), with an L1 pull on the gate there, so the gate learns to close exactly where nothing
-acts. The denoiser learns D(z + sigma eps) ~ z over sigma in [0.005, 2] on single latents beside it.
+acts. The pull ramps up over `--gate-warmup` steps, and a closed gate still gets the gradient that would open
+it: without both, the gate closes everywhere before the change is learnt and never reopens. The denoiser
+learns D(z + sigma eps) ~ z over sigma in [0.005, 2] on single latents beside it.
 Runs in fp32 (small MLPs: bf16's rounding would bias a change that must be exactly zero at rest).
 """
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Options:
     horizon: int = arg(16, "longest open-loop unroll H in training (windows unroll 2, H/2 or H steps)")
     still: float = arg(0.1, "share of windows showing a world at rest")
     still_l1: float = arg(0.1, "weight of the gate's L1 pull on those windows")
+    gate_warmup: int = arg(2000, "steps over which that pull ramps up from 0: the change is learnt before the gate "
+                                 "may close (a pull at full weight from step 0 closes it everywhere)")
     ctx_noise: float = arg(0.05, "noise on the real context, up to this many standard deviations of z")
     denoiser_weight: float = arg(1.0, "weight of the denoiser's loss (0 with --preset nodenoiser)")
     moving_share: float = arg(0.0, "share of windows placed where the scene (not only the agent) moves: z changes "
@@ -156,7 +160,7 @@ class Trainable(CompactStage2):
             loss, logs = dyn, dict(dynamics=dyn.item())
             if self.cfg.gate and bool(at_rest.any()):
                 rest = gate[at_rest].mean()
-                loss = loss + self.o.still_l1 * rest
+                loss = loss + self.o.still_l1 * min(1.0, step / max(1, self.o.gate_warmup)) * rest
                 logs["gate_at_rest"] = rest.item()
             if self.denoiser is not None and self.o.denoiser_weight:
                 rows = torch.randint(len(L.z), (512,), device=L.z.device)
