@@ -78,6 +78,7 @@ def test_stability_command(tiny_checkpoint, tmp_path):
     assert r["t_whole"]["false_alarm"] == 0.0 and r["rollouts"]["random"]["t_whole_share"] == 0.0
     still = r["rollouts"]["hold"]["still_world"]  # the agent told to stay put: how far does the world move?
     assert 0 <= still["block_lost_share"] <= 1 and still["frame_mean_abs_diff_max"] > 1
+    assert "block_drift_px_own_max" in still  # the dynamics' drift alone, from the model's own start frame
     for roll in r["rollouts"].values():
         assert roll["checks"] == 2
         # an untrained tiny model makes garbage: the checks must notice

@@ -231,8 +231,10 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         actions = torch.from_numpy(drive_actions(kind, task, steps, seed, [ep["agent_pos"][0] for ep in starts[:drives]]))
         # a still world: how far each drive's T and frame move from its start
         drift, frame_diff, agent_area = [[] for _ in first], [[] for _ in first], [[] for _ in first]
+        own_drift = [[] for _ in first]  # from the model's own drawing of the start: its dynamics alone
         gen = torch.Generator().manual_seed(seed)
         state = wm.start_frames(first, np.stack([ep["agent_pos"][0] for ep in starts[:drives]]))
+        own_first = wm.decode_last(state, generator=torch.Generator().manual_seed(seed)) if kind == "hold" else None
         first_fail, fail_counts, shown, shown_at = None, {}, [first[0]], [0]
         n_seg = min(10, steps)  # invalid share per tenth of the rollout: does it break and stay broken?
         seg_bad, seg_n, seg_whole = [0] * n_seg, [0] * n_seg, [0] * n_seg
@@ -265,6 +267,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                     d["whole"] += is_whole
                     if kind == "hold":
                         drift[i].append(ck.still_drift(frame, first[i]))
+                        own_drift[i].append(ck.still_drift(frame, own_first[i]))
                         frame_diff[i].append(float(np.abs(frame.astype(np.float32) - first[i]).mean()))
                         agent_area[i].append(stats["agent_area"] / max(first_area[i], 1e-6))
                     for k in bad:
@@ -300,11 +303,13 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
             report["rollouts"][kind]["still_world"] = {
                 f"{ck.DRIFT_KEY}_max": float(np.nanmax(d)) if np.isfinite(d).any() else None,
                 f"{ck.DRIFT_KEY}_final": float(np.nanmax(d[:, -1])) if np.isfinite(d[:, -1]).any() else None,
+                f"{ck.DRIFT_KEY}_own_max": float(np.nanmax(od)) if np.isfinite(od := np.asarray(own_drift)).any() else None,
                 ck.LOST_KEY: float(np.isnan(d).mean()), "frame_mean_abs_diff_max": float(np.max(frame_diff)),
                 "agent_area_ratio_max": float(np.max(agent_area)),
                 "note": "the agent is commanded to stay where it starts: in the ground truth nothing moves, so every "
                         "figure should stay at the start frame's (drift 0, diff ~0, ratio 1; a ratio near 2 is a second "
-                        "agent); the largest over the drives"}
+                        "agent); the largest over the drives; *_own_max: drift from the model's own drawing of the "
+                        "start frame, without stage 1's round-trip offset, so the dynamics' drift alone"}
         strips.append(np.stack(shown))
     report["stable"] = all(r["first_failure"] is None for r in report["rollouts"].values())
     if strip is not None:
