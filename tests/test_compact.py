@@ -316,10 +316,19 @@ def test_the_gate_pull_waits_for_its_warm_up():
     assert losses[2] - losses[0] == pytest.approx(gate, rel=1e-4) and losses[3] == pytest.approx(losses[2])
 
 
-def test_a_gate_pulled_shut_from_the_start_reopens_and_learns_the_motion():
+def test_a_gate_pulled_shut_from_the_start_reopens_and_learns_the_motion(monkeypatch):
     """A strong L1 pull with no warm-up closes the gate everywhere before the change is learnt; with a plain
     relu it never reopens and the dynamics stay a copy of the last latent (rel_to_copy 1.0, as in the recipe's
     first stage-2 run). The gradient that opens a closed gate lets it learn the motion anyway."""
+    import iws_gym.models.compact as compact
+
+    class PlainRelu(torch.autograd.Function):  # the gate before the fix
+        forward = staticmethod(lambda ctx, g: (ctx.save_for_backward(g), g.clamp(min=0))[1])
+        backward = staticmethod(lambda ctx, grad: grad * (ctx.saved_tensors[0] > 0))
+
+    monkeypatch.setattr(compact, "_ReopenableRelu", PlainRelu)
+    assert _train_dynamics(_pushed_latents(), 300, still_l1=1.0, gate_warmup=1)[1] == pytest.approx(1.0, abs=1e-3)
+    monkeypatch.undo()
     m, rel = _train_dynamics(_pushed_latents(), 300, still_l1=1.0, gate_warmup=1)
     assert rel < 0.5
     L = _pushed_latents(n_eps=8)
