@@ -281,14 +281,13 @@ def _pushed_latents(n_eps=40, T=60, D=8):
 
 
 def _train_dynamics(L, steps, **options):
-    from iws_gym.training.compact2 import Options, Trainable, open_loop_error
+    from iws_gym.training.compact2 import Options, Trainable, copy_error, normalise, open_loop_error
 
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     cfg = CompactStage2Config(z_dim=L.z.shape[1], width=64, blocks=2, agent_motion=(1, 0, 0, 0, 0, 0), denoiser_blocks=0)
     m = Trainable(cfg, Options(**options))
-    dz = torch.cat([L.z[b + 1 : e] - L.z[b : e - 1] for b, e in L.spans])
-    m.dynamics.z_mu.copy_(L.z.mean(0)), m.dynamics.z_sd.copy_(L.z.std(0)), m.dynamics.dz_sd.copy_(dz.std(0))
+    normalise(m, L)
     opt = torch.optim.AdamW(m.parameters(), 1e-3)
     for step in range(steps):
         H = int(rng.choice([2, 8, 16]))
@@ -298,7 +297,7 @@ def _train_dynamics(L, steps, **options):
     m.eval()
     with torch.no_grad():
         err, idx, tgt = open_loop_error(m.dynamics, L, np.random.default_rng(1), 256, 8)
-        copy = (((L.z[idx[:, 3:4]] - tgt) / m.dynamics.z_sd) ** 2).mean((0, 2))
+        copy = copy_error(m.dynamics, L, idx, tgt)
     return m, (err[-1] / copy[-1]).item()
 
 

@@ -299,11 +299,11 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
                 task, wm, ck, whole, np.stack(model_frames, 1), real, truth,
                 np.minimum((np.asarray(check_at) - 1) * n_seg // steps, n_seg - 1), n_seg)
         if kind == "hold":  # the still world: object drift (T: canvas px), mean frame change (grey levels), agent area ratio
-            d = np.asarray(drift)
+            d, od = np.asarray(drift), np.asarray(own_drift)
             report["rollouts"][kind]["still_world"] = {
                 f"{ck.DRIFT_KEY}_max": float(np.nanmax(d)) if np.isfinite(d).any() else None,
                 f"{ck.DRIFT_KEY}_final": float(np.nanmax(d[:, -1])) if np.isfinite(d[:, -1]).any() else None,
-                f"{ck.DRIFT_KEY}_own_max": float(np.nanmax(od)) if np.isfinite(od := np.asarray(own_drift)).any() else None,
+                f"{ck.DRIFT_KEY}_own_max": float(np.nanmax(od)) if np.isfinite(od).any() else None,
                 ck.LOST_KEY: float(np.isnan(d).mean()), "frame_mean_abs_diff_max": float(np.max(frame_diff)),
                 "agent_area_ratio_max": float(np.max(agent_area)),
                 "note": "the agent is commanded to stay where it starts: in the ground truth nothing moves, so every "

@@ -137,6 +137,22 @@ def unroll(dyn, L: Latents, idx, nv, H, ctx_noise=0.0, at_rest=None):
     return torch.stack(preds, 1), L.z[idx[:, K : K + H]], torch.stack(gates, 1)
 
 
+def normalise(model: CompactStage2, L: Latents):
+    """Set the networks' latent statistics (z's mean and spread, the spread of one step's change) from L."""
+    dz = torch.cat([L.z[b + 1 : e] - L.z[b : e - 1] for b, e in L.spans])
+    for m in (model.dynamics, model.denoiser):
+        if m is not None:
+            m.z_mu.copy_(L.z.mean(0))
+            m.z_sd.copy_(L.z.std(0))
+    model.dynamics.dz_sd.copy_(dz.std(0))
+
+
+def copy_error(dyn, L: Latents, idx, tgt):
+    """The mean squared error per step (H,) of copying the last context latent: open_loop_error's baseline."""
+    K = dyn.cfg.context
+    return (((L.z[idx[:, K - 1 : K]] - tgt) / dyn.z_sd) ** 2).mean((0, 2))
+
+
 def open_loop_error(dyn, L: Latents, rng, n: int, H: int):
     """Mean squared open-loop error per step (H,), in units of z's variance, over n windows with a full real
     context, and the windows' indices and targets."""
@@ -226,13 +242,7 @@ class Stage(StageBase):
         cfg = CompactStage2Config(z_dim=s1.cfg.z_dim, agent_motion=tuple(float(c) for c in law), **PRESETS[o.preset])
         self.config = cfg
         self.model = Trainable(cfg, o)
-        z = self.L.z
-        dz = torch.cat([z[b + 1 : e] - z[b : e - 1] for b, e in self.L.spans])
-        for m in (self.model.dynamics, self.model.denoiser):
-            if m is not None:
-                m.z_mu.copy_(z.mean(0))
-                m.z_sd.copy_(z.std(0))
-        self.model.dynamics.dz_sd.copy_(dz.std(0))
+        normalise(self.model, self.L)
 
     def sample_batch(self, rng, batch):
         H = self.o.horizon
@@ -248,7 +258,7 @@ class Stage(StageBase):
         rng = np.random.default_rng(0)
         K, dyn = self.config.context, ema.dynamics
         err, idx, tgt = open_loop_error(dyn, self.val, rng, 512, 32)
-        copy = (((self.val.z[idx[:, K - 1 : K]] - tgt) / dyn.z_sd) ** 2).mean((0, 2))
+        copy = copy_error(dyn, self.val, idx, tgt)
         train_err = open_loop_error(dyn, self.L, rng, 512, 32)[0]
         rows = torch.as_tensor(rng.integers(0, len(self.val.z), 64), device=self.val.z.device)
         z = self.val.z[rows][:, None].repeat(1, K, 1)
