@@ -9,7 +9,7 @@
 # rerun, reports/fidelity_stage2_rerun.json), 16 drives of 1,000 steps of each kind (replayed in gym-pusht too:
 # stage 1's ceiling and the T's place), the 10-policy study on 32
 # starts (after the trust calibration, issue 34), issue 33's whole-range study, the bench against the shipped weights (back to back), the contact
-# starts. A row whose report exists is skipped, so rerunning after an interruption continues. One thread per
+# starts (BASELINE=DIR names the weights the bench runs beside; default the shipped ones). A row whose report exists is skipped, so rerunning after an interruption continues. One thread per
 # command; run it alone on 2 cores, or beside one other job, or as two lanes, one per core:
 #   LANE=a scripts/issue36_table.sh R P & LANE=b scripts/issue36_table.sh R P   # b waits for a's trust calibration
 set -euo pipefail
@@ -59,6 +59,6 @@ lane b && run "$OUT/${P}_correlate_whole_range.json" $IWS eval correlate --check
   --json "$OUT/${P}_correlate_whole_range.json"
 if lane a && [ ! -f "$OUT/${P}_bench.json" ]; then  # back to back with the shipped weights, on the same machine
   $IWS bench --checkpoint "$R" $BENCH --json "$OUT/${P}_bench.json"
-  $IWS bench $BENCH --json "$OUT/${P}_bench_shipped.json"
+  $IWS bench --checkpoint "${BASELINE:-checkpoints/tpushing}" $BENCH --json "$OUT/${P}_bench_shipped.json"
 fi
 echo "issue 36 table of $R: done"

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -149,3 +150,37 @@ def test_report_states_the_ceiling_a_true_error_signal_would_reach():
     r = _figures(e)
     assert r["spearman_trust_gap"] == pytest.approx(r["spearman_true_error_gap"])  # trust ranks as the error does
     assert -1 < r["spearman_true_error_gap"] < -0.5 and r["per_behaviour"]["a"]["spearman_true_error_gap"] < -0.9
+
+
+def test_trust_tradeoff_keeps_episodes_by_each_rule(tmp_path):
+    """scripts/trust_tradeoff.py: a study where trust ranks the broken episodes last removes the gap as the
+    oracle does; one where trust is reversed keeps exactly the broken ones and makes the gap larger."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts/trust_tradeoff.py"
+    spec = importlib.util.spec_from_file_location("trust_tradeoff", script)
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    rng = np.random.default_rng(0)
+    per = {}
+    for k in range(4):
+        gt = rng.uniform(0, 1, 20)
+        broken = np.arange(20) < 6  # 30% of each policy's episodes score 0.5 too high in the learned world
+        per[f"p{k}"] = dict(scores_ground_truth=gt.tolist(), scores_learned=(gt + 0.5 * broken).tolist(),
+                            trust={"trust_min": np.where(broken, 0.1, 0.9).tolist()})
+    report = tmp_path / "study.json"
+    report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
+    out = tmp_path / "out.json"
+    tt.main([str(report), "--json", str(out)])
+    at70 = json.loads(out.read_text())[str(report)]["at_70pct_kept"]
+    assert at70["trust"] > 0.99 and at70["oracle"] > 0.99 and abs(at70["random"]) < 0.3
+    for p in per.values():
+        p["trust"]["trust_min"] = (1 - np.array(p["trust"]["trust_min"])).tolist()
+    report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
+    tt.main([str(report), "--json", str(out)])
+    row = next(r for r in json.loads(out.read_text())[str(report)]["rows"] if r["kept_share"] == 0.3)
+    assert row["trust"]["reduction"] < -1  # only the broken episodes kept: the gap is 0.5 instead of 0.15
+    with pytest.raises(SystemExit, match="no per-episode trust"):
+        del per["p0"]["trust"]
+        report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
+        tt.main([str(report), "--json", str(out)])

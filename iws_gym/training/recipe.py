@@ -56,7 +56,8 @@ class RecipeArgs:
     task: str = arg("tpushing", "task config name (iws_gym/envs/configs/<task>.toml)")
     out: str = arg("runs/recipe", "output folder: data/, stage1/, stage2/, release/, recipe.json")
     scale: str = arg("cpu", "model size and batch: tiny (tests) | cpu (2 cores) | gpu (one GPU)")
-    design: str = arg("spatial", "spatial (the shipped stages 1 and 2) | compact (models/compact.py)")
+    design: str = arg("spatial", "spatial (models/encoder, decoder, dynamics; the one a pile of pucks needs) | "
+                                  "compact (models/compact.py; the shipped T-pushing weights)")
     episodes: int | None = arg(None, "episodes of scripted play to collect (default: spatial 600, compact 400, plus "
                                      "0.75x, 0.6x and 0.3x as many expert, random and jittery episodes; compact: "
                                      "6.5x, 1.8x, 0.6x and 1.75x more play, random, jittery and expert ones for "

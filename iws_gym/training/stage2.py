@@ -1,9 +1,9 @@
 """Stage 2: the latent consistency dynamics, trained on windows of latents of a frozen stage-1 release.
 
-    iws train stage2 --data data/tpushing --init checkpoints/tpushing --out runs/stage2 --agent-track \
+    iws train stage2 --data data/tpushing --init checkpoints/candidates/spatial --out runs/stage2 --agent-track \
         --focus 0.5 --jump-focus 0.3 --drop-agent 0.2 --corrupt-block 0.2
     # continue a release (its config, normalisation and weights):
-    iws train stage2 ... --finetune checkpoints/tpushing
+    iws train stage2 ... --finetune checkpoints/candidates/spatial
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from iws_gym.training.common import StageBase, arg
 @dataclass
 class Options:
     init: str | None = arg(None, "the stage-1 release (file or directory) the dynamics build on (default: the "
-                                 "task's shipped weights)")
+                                 "task's shipped weights; T pushing's are of the compact design now, so name a "
+                                 "spatial stage 1, e.g. checkpoints/candidates/spatial)")
     finetune: str | None = arg(None, "continue this stage-2 release: its config, normalisation and weights")
     preset: str = arg("default", "model size: default (1.8 M parameters in the trunk) | large (a GPU's: 2x wider, "
                                  "2x deeper) | tiny (tests)")
