@@ -7,6 +7,8 @@ REPORT is an `iws eval correlate` report (per policy: each episode's lowest trus
 worlds). For every share kept, episodes are kept by three rules, each applied to all episodes of the study
 at once (as the env's fixed threshold is):
 - trust: the episodes whose lowest trust is highest (the signal the env reports);
+- trust_mean: the episodes whose mean trust over their steps is highest (reports from after 2026-12-07 hold
+  it): how long an episode was wrong rather than how wrong;
 - oracle: the episodes whose own |learned - gym-pusht| score is smallest (what no signal can beat on the
   per-episode gap; it needs the ground truth);
 - random: a random subset (mean over 200 draws), what keeping fewer episodes does by itself.
@@ -26,16 +28,19 @@ SHARES = np.round(np.arange(0.2, 1.0001, 0.05), 2)
 
 def load(path):
     d = json.loads(Path(path).read_text())
-    pol, tmin, le, gt = [], [], [], []
+    pol, tmin, tmean, le, gt = [], [], [], [], []
     for k, (name, p) in enumerate(d["per_policy"].items()):
         if "trust" not in p:
             raise SystemExit(f"{path}: policy {name!r} has no per-episode trust (rerun iws eval correlate)")
         n = len(p["scores_learned"])
         pol += [k] * n
         tmin += p["trust"]["trust_min"]
+        tmean += p["trust"].get("trust_mean", [np.nan] * n)
         le += p["scores_learned"]
         gt += p["scores_ground_truth"]
-    return d, np.array(pol), np.array(tmin, float), np.array(le, float), np.array(gt, float)
+    tmean = np.array(tmean, float)
+    return d, np.array(pol), np.array(tmin, float), None if np.isnan(tmean).any() else tmean, np.array(le, float), \
+        np.array(gt, float)
 
 
 def study_gap(pol, le, gt, keep):
@@ -53,14 +58,15 @@ def keep_top(score, share, rng=None):
     return keep
 
 
-def tradeoff(pol, tmin, le, gt, seed=0):
+def tradeoff(pol, tmin, le, gt, seed=0, tmean=None):
     rng = np.random.default_rng(seed)
     err = np.abs(le - gt)
     all_gap, _ = study_gap(pol, le, gt, np.ones(len(le), bool))
     rows = []
     for s in SHARES:
         row = dict(kept_share=float(s))
-        for name, score in (("trust", tmin), ("oracle", -err)):
+        rules = [("trust", tmin), ("oracle", -err)] + ([("trust_mean", tmean)] if tmean is not None else [])
+        for name, score in rules:
             keep = keep_top(score, s, rng)
             g, n_pol = study_gap(pol, le, gt, keep)
             row[name] = dict(study_gap=g, reduction=1 - g / all_gap, policies=n_pol, episode_gap=float(err[keep].mean()),
@@ -79,11 +85,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     out = {}
     for r in a.reports:
-        d, pol, tmin, le, gt = load(r)
-        t = tradeoff(pol, tmin, le, gt)
+        d, pol, tmin, tmean, le, gt = load(r)
+        t = tradeoff(pol, tmin, le, gt, tmean=tmean)
         t["checkpoint"] = d.get("checkpoint")
         at70 = next(row for row in t["rows"] if row["kept_share"] == 0.7)
-        t["at_70pct_kept"] = {k: at70[k]["reduction"] for k in ("trust", "oracle", "random")}
+        t["at_70pct_kept"] = {k: at70[k]["reduction"] for k in ("trust", "trust_mean", "oracle", "random") if k in at70}
         out[r] = t
         print(f"{r}: study |gap| over all {t['study_gap_all']:.3f}; with 70% kept, reduction by trust "
               f"{at70['trust']['reduction']:+.0%}, by the oracle {at70['oracle']['reduction']:+.0%}, "
@@ -96,7 +102,9 @@ def main(argv=None):
         fig, axes = plt.subplots(1, len(out), figsize=(5 * len(out), 4), squeeze=False)
         for ax, (r, t) in zip(axes[0], out.items()):
             s = [row["kept_share"] for row in t["rows"]]
-            for k, style in (("trust", "-o"), ("oracle", "--"), ("random", ":")):
+            for k, style in (("trust", "-o"), ("trust_mean", "-s"), ("oracle", "--"), ("random", ":")):
+                if k not in t["rows"][0]:
+                    continue
                 ax.plot(s, [row[k]["study_gap"] for row in t["rows"]], style, label=k)
             ax.axhline(0.7 * t["study_gap_all"], color="grey", lw=0.8, label="30% below all")
             ax.axvline(0.7, color="grey", lw=0.8, ls="--")

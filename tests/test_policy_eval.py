@@ -272,6 +272,8 @@ def test_correlate_command(tiny_checkpoint, tmp_path):
         assert len(p["scores_ground_truth_pixels"]) == 2
         assert p["gap"] == pytest.approx(p["scorer_gap"] + p["dynamics_gap"])
         assert p["gap_stderr"] >= 0 and isinstance(p["gap_significant"], bool)
+        t = p["trust"]  # each episode's lowest and mean trust, the selectors scripts/trust_tradeoff.py compares
+        assert len(t["trust_mean"]) == 2 and all(lo <= m <= 1 for lo, m in zip(t["trust_min"], t["trust_mean"]))
     assert (tmp_path / "corr.png").stat().st_size > 0 and r["workers"] == 2
     # one process gives the same scores as the two worker processes (same starts, same seeds)
     one = tmp_path / "corr1.json"

@@ -97,9 +97,9 @@ def test_untrusted_episodes_are_counted_and_can_be_stopped(tiny_checkpoint, tmp_
     rec: list = []
     run_learned(task, suite()["random"], states, 6, 0, ck, "cpu", stop_untrusted=True, record=rec)
     assert len(rec) == 2  # the reset frame and the first step, which fell below the line
-    tmin2: list = []
-    run_learned(task, suite()["random"], states, 6, 0, tiny_checkpoint, "cpu", trust_min=tmin2)  # uncalibrated
-    assert all(0.0 <= t <= 1.0 for t in tmin2)
+    tmin2, tmean2 = [], []
+    run_learned(task, suite()["random"], states, 6, 0, tiny_checkpoint, "cpu", trust_min=tmin2, trust_mean=tmean2)  # uncalibrated
+    assert all(0.0 <= t <= m <= 1.0 for t, m in zip(tmin2, tmean2)) and len(tmean2) == 3  # the mean is never below the minimum
 
 
 def test_eval_trust_fits_writes_and_refuses_to_overwrite(tiny_checkpoint, tmp_path):
@@ -167,13 +167,14 @@ def test_trust_tradeoff_keeps_episodes_by_each_rule(tmp_path):
         gt = rng.uniform(0, 1, 20)
         broken = np.arange(20) < 6  # 30% of each policy's episodes score 0.5 too high in the learned world
         per[f"p{k}"] = dict(scores_ground_truth=gt.tolist(), scores_learned=(gt + 0.5 * broken).tolist(),
-                            trust={"trust_min": np.where(broken, 0.1, 0.9).tolist()})
+                            trust={"trust_min": np.where(broken, 0.1, 0.9).tolist(),
+                                   "trust_mean": np.where(broken, 0.5, 0.95).tolist()})
     report = tmp_path / "study.json"
     report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
     out = tmp_path / "out.json"
     tt.main([str(report), "--json", str(out)])
     at70 = json.loads(out.read_text())[str(report)]["at_70pct_kept"]
-    assert at70["trust"] > 0.99 and at70["oracle"] > 0.99 and abs(at70["random"]) < 0.3
+    assert at70["trust"] > 0.99 and at70["trust_mean"] > 0.99 and at70["oracle"] > 0.99 and abs(at70["random"]) < 0.3
     for p in per.values():
         p["trust"]["trust_min"] = (1 - np.array(p["trust"]["trust_min"])).tolist()
     report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))

@@ -68,7 +68,8 @@ def _precision(device: str) -> str:
 
 def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
                 best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None,
-                trust_min: list | None = None, stop_untrusted: bool = False, runner_seeds=None, env_seed: int | None = None):
+                trust_min: list | None = None, stop_untrusted: bool = False, runner_seeds=None, env_seed: int | None = None,
+                trust_mean: list | None = None):
     """Scores (max coverage) of one policy in the learned env from each initial state, and seconds per
     episode. `factory` may also be a list, one factory per state: several policies then share each vector
     env (the world model steps them in one batch); `runner_seeds` (one per state, default seed + index)
@@ -77,8 +78,9 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
     to it (so the score can be re-read by another scorer). If `record` is a list, the observations of
     the first batch's episodes are appended to it, one (n, H, W, 3) array per step (an episode that has
     ended repeats its last frame). If `trust_min` is a list, each episode's lowest trust (models/trust.py)
-    is appended to it; with `stop_untrusted` an episode ends as soon as it falls below trust.TRUSTED (its
-    score is the max coverage so far, and it counts as untrusted)."""
+    is appended to it, and to `trust_mean` its mean trust over the steps it ran (how long it was wrong, where
+    the minimum says only how wrong); with `stop_untrusted` an episode ends as soon as it falls below
+    trust.TRUSTED (its score is the max coverage so far, and it counts as untrusted)."""
     import gymnasium as gym
 
     import iws_gym  # noqa: F401
@@ -99,6 +101,7 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         runners = [_Runner(factories[i], int(runner_seeds[i])) for i in idx]
         best = np.array(info["coverage"], dtype=float)
         tmin = np.array(info["trust_min"], dtype=float)
+        tsum, steps = np.zeros(len(idx)), np.zeros(len(idx))
         keep = best_frames is not None
         at_best = obs["pixels"].copy() if keep else None
         rec = record is not None and b0 == 0
@@ -116,6 +119,7 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
                 record.append(np.where(done[:, None, None, None], record[-1], obs["pixels"]))
             best = np.where(better, info["coverage"], best)
             tmin = np.where(done, tmin, np.minimum(tmin, info["trust_min"]))
+            tsum, steps = tsum + np.where(done, 0.0, info["trust"]), steps + ~done
             done |= term
             if stop_untrusted:
                 done |= tmin < TRUSTED
@@ -124,6 +128,8 @@ def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="a
         scores[idx] = best
         if trust_min is not None:
             trust_min.extend(tmin.tolist())
+        if trust_mean is not None:
+            trust_mean.extend((tsum / np.maximum(steps, 1)).tolist())
         if keep:
             best_frames.extend(at_best)
         envs.close()
@@ -188,13 +194,16 @@ def _summary(scores: np.ndarray, task: TaskConfig | None = None) -> dict:
                 episodes=n)
 
 
-def trust_summary(tmin, learned, gt=None, task: TaskConfig | None = None) -> dict:
+def trust_summary(tmin, learned, gt=None, task: TaskConfig | None = None, tmean=None) -> dict:
     """Per policy: the share of trusted episodes (lowest trust >= trust.TRUSTED) and the scores over them
-    (and, with ground-truth scores, the gap over all episodes and over the trusted ones)."""
+    (and, with ground-truth scores, the gap over all episodes and over the trusted ones); each episode's mean
+    trust is kept beside its lowest when given (scripts/trust_tradeoff.py compares the two as selectors)."""
     tmin, learned = np.asarray(tmin, float), np.asarray(learned, float)
     ok = tmin >= TRUSTED
     out = dict(threshold=TRUSTED, trusted_share=float(ok.mean()), trusted_episodes=int(ok.sum()),
                trust_min=tmin.tolist(), learned_trusted=_summary(learned[ok], task) if ok.any() else None)
+    if tmean is not None:
+        out["trust_mean"] = np.asarray(tmean, float).tolist()
     if gt is not None:
         gt = np.asarray(gt, float)
         out.update(gap_all=float(learned.mean() - gt.mean()),
@@ -221,9 +230,9 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
     k = min(video_episodes, episodes, LEARNED_BATCH if learned else episodes)  # run_learned records its first batch
     rec_l = [] if video is not None and learned else None
     if learned:
-        tmin: list = []
+        tmin, tmean = [], []
         scores, t_l = run_learned(task, factory, states, horizon, seed, checkpoint, device, record=rec_l, trust_min=tmin,
-                                  stop_untrusted=stop_untrusted)
+                                  trust_mean=tmean, stop_untrusted=stop_untrusted)
         report.update(precision=_precision(device), stop_untrusted=stop_untrusted,
                       learned=dict(**_summary(scores, task), seconds_per_episode=t_l, scores=scores.tolist()))
     gt = None
@@ -234,7 +243,7 @@ def evaluate_policy(task: TaskConfig, policy: str, episodes: int, horizon: int, 
     if learned:
         if gt is not None:
             report["gap"] = dict(**paired_gap(scores, gt), mean_abs=float(np.abs(scores - gt).mean()))
-        report["trust"] = trust_summary(tmin, scores, gt, task)
+        report["trust"] = trust_summary(tmin, scores, gt, task, tmean)
     if video is not None:
         from iws_gym.evaluation.demo import write_video
 
@@ -436,7 +445,7 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
     of `batch` worlds, so the world model steps them together (each episode keeps its policy, start state and
     seeds). `first`: the index of this group's first episode in the whole suite (its vector envs are seeded
     as if the suite ran as one list). Returns name -> (scores, seconds per episode, the best frames read by
-    the pose-fit scorer, each episode's lowest trust)."""
+    the pose-fit scorer, each episode's lowest and mean trust)."""
     import torch
 
     from iws_gym.envs.registry import load_task
@@ -448,18 +457,18 @@ def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon
     factories = {n: load_policy_factory(specs[n]) if specs.get(n) else built[n] for n in names}
     n_ep = len(states)
     all_states = np.concatenate([states] * len(names))
-    frames, tmin = [], []
+    frames, tmin, tmean = [], [], []
     scores, sec = run_learned(task, [factories[n] for n in names for _ in range(n_ep)], all_states, horizon, seed, checkpoint,
                               device, batch=batch, reencode=reencode, best_frames=frames, reencode_every=reencode_every,
-                              trust_min=tmin, stop_untrusted=stop_untrusted, runner_seeds=np.tile(np.arange(seed, seed + n_ep), len(names)),
+                              trust_min=tmin, trust_mean=tmean, stop_untrusted=stop_untrusted, runner_seeds=np.tile(np.arange(seed, seed + n_ep), len(names)),
                               env_seed=seed + first)
     # the same best frames read by a second scorer (T pushing: the pose fit): if it agrees, a gap is the dynamics',
     # not the pixel scorer's; a task without one repeats the pixel scores
     second = task.module.second_scorer()
     pose = np.array([second.coverage(f) for f in frames]) if second is not None else scores.copy()
-    tmin = np.array(tmin)
-    return {n: (scores[k * n_ep:(k + 1) * n_ep], sec, pose[k * n_ep:(k + 1) * n_ep], tmin[k * n_ep:(k + 1) * n_ep])
-            for k, n in enumerate(names)}
+    tmin, tmean = np.array(tmin), np.array(tmean)
+    return {n: (scores[k * n_ep:(k + 1) * n_ep], sec, pose[k * n_ep:(k + 1) * n_ep], tmin[k * n_ep:(k + 1) * n_ep],
+                tmean[k * n_ep:(k + 1) * n_ep]) for k, n in enumerate(names)}
 
 
 def suite_trust(per: dict) -> dict:
@@ -551,7 +560,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                 res.update({(n, "learned"): r for n, r in f.result().items()})
     per = {}
     for name in policies:  # the suite's order, whatever finished first
-        (learned, t_l, pose, tmin), (gt, t_g, gt_px, _) = res[(name, "learned")], res[(name, "ground_truth")]
+        (learned, t_l, pose, tmin, tmean), (gt, t_g, gt_px, _) = res[(name, "learned")], res[(name, "ground_truth")]
         pg = paired_gap(learned, gt)
         sg, dg = paired_gap(gt_px, gt), paired_gap(learned, gt_px)
         per[name] = dict(learned=_summary(learned, task), ground_truth=_summary(gt, task), gap=pg["mean"], gap_stderr=pg["stderr"],
@@ -562,7 +571,7 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
                          #     + dynamics part (learned - gym-pusht's frames read by the same scorer)
                          scorer_gap=sg["mean"], scorer_gap_stderr=sg["stderr"],
                          dynamics_gap=dg["mean"], dynamics_gap_stderr=dg["stderr"], dynamics_gap_significant=dg["significant"],
-                         trust=trust_summary(tmin, learned, gt, task))
+                         trust=trust_summary(tmin, learned, gt, task, tmean))
     overall = suite_figures(per)
     overall["trust"] = suite_trust(per)
     report = dict(task=task.name, episodes=episodes, horizon=horizon, seed=seed, workers=workers, reencode=reencode,
