@@ -35,12 +35,11 @@ def load(path):
         n = len(p["scores_learned"])
         pol += [k] * n
         tmin += p["trust"]["trust_min"]
-        tmean += p["trust"].get("trust_mean", [np.nan] * n)
+        tmean = tmean + p["trust"]["trust_mean"] if tmean is not None and "trust_mean" in p["trust"] else None
         le += p["scores_learned"]
         gt += p["scores_ground_truth"]
-    tmean = np.array(tmean, float)
-    return d, np.array(pol), np.array(tmin, float), None if np.isnan(tmean).any() else tmean, np.array(le, float), \
-        np.array(gt, float)
+    tmean = None if tmean is None else np.array(tmean, float)  # older reports hold only the lowest trust
+    return d, np.array(pol), np.array(tmin, float), tmean, np.array(le, float), np.array(gt, float)
 
 
 def study_gap(pol, le, gt, keep):

@@ -181,7 +181,7 @@ def test_trust_tradeoff_keeps_episodes_by_each_rule(tmp_path):
     tt.main([str(report), "--json", str(out)])
     row = next(r for r in json.loads(out.read_text())[str(report)]["rows"] if r["kept_share"] == 0.3)
     assert row["trust"]["reduction"] < -1  # only the broken episodes kept: the gap is 0.5 instead of 0.15
+    del per["p0"]["trust"]
+    report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
     with pytest.raises(SystemExit, match="no per-episode trust"):
-        del per["p0"]["trust"]
-        report.write_text(json.dumps(dict(checkpoint="x", per_policy=per)))
         tt.main([str(report), "--json", str(out)])
