@@ -535,6 +535,21 @@ def test_agent_motion_law_fits_gym_pusht_exactly(tiny_dataset):
         fit_agent_motion([p[:2].numpy()], [a[:1].numpy()])
 
 
+
+def test_agent_motion_law_holds_an_agent_at_rest_exactly():
+    """An agent commanded to stay where it is stays there to the last bit, with the shipped law's weights (which
+    sum to 1 + 1e-6): a drift of a thousandth of a pixel a step flips the bf16 rounding of the decoder's agent input
+    and moves a still world's T."""
+    from iws_gym.models.dynamics import agent_landing
+
+    coef = (0.697776, -0.107374, 0.295672, 0.113927, 0.704328, 0.295672)
+    p = torch.rand(64, 1, 2) * 512
+    pos, acts = p.expand(64, 4, 2), p.expand(64, 4, 2)
+    for nv in (1, 2, 4):
+        assert torch.equal(agent_landing(pos, acts, torch.full((64,), nv), coef), p[:, 0])
+    moving = agent_landing(pos, acts + 10.0, torch.full((64,), 2), coef)  # a target 10 px away does move it
+    assert torch.allclose(moving - p[:, 0], torch.full((64, 2), 10.0 * (coef[2] + coef[3])), atol=1e-3)
+
 def test_agent_track_follows_the_actions_and_windows_carry_it(tiny_dataset, tiny_checkpoint, tmp_path):
     """--agent-track: the motion law is fitted and stored in the config and provenance, the windows carry the
     recorded positions, and a rollout's track moves by the law from the start frame."""

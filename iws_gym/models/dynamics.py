@@ -279,11 +279,17 @@ def agent_landing(pos: torch.Tensor, actions: torch.Tensor, n_valid: torch.Tenso
     gym-pusht moves the agent by a PD controller toward the commanded target and the agent is not
     pushed back by what it touches, so its next position is linear in its last two positions and the
     last two targets: p_{t+1} = c0 p_t + c1 p_{t-1} + c2 a_t + c3 a_{t-1}; from a single frame (at rest)
-    p_1 = d0 p_0 + d1 a_0. The six numbers are fitted to recorded episodes (`fit_agent_motion`)."""
+    p_1 = d0 p_0 + d1 a_0. The six numbers are fitted to recorded episodes (`fit_agent_motion`).
+
+    Evaluated as p_t plus weighted offsets from p_t, which is the same law wherever the fitted weights sum to
+    one (they do, to 1e-6) and keeps an agent at rest exactly where it is: summed as fitted, the weights' excess
+    moved a held agent by about 0.001 px a step, enough to flip the bf16 rounding of its position in the
+    decoder and shift a still T by 0.4-1.2 px (docs/experiments.md, thirty-first session)."""
     c0, c1, c2, c3, d0, d1 = (float(v) for v in coef)
     p, a = pos.float(), actions.float()
-    two = c0 * p[:, -1] + c1 * p[:, -2] + c2 * a[:, -1] + c3 * a[:, -2] if p.shape[1] > 1 else p[:, -1]
-    one = d0 * p[:, -1] + d1 * a[:, -1]
+    p0 = p[:, -1]
+    two = p0 + c1 * (p[:, -2] - p0) + c2 * (a[:, -1] - p0) + c3 * (a[:, -2] - p0) if p.shape[1] > 1 else p0
+    one = p0 + d1 * (a[:, -1] - p0)
     return torch.where((n_valid >= 2)[:, None], two, one)
 
 
