@@ -108,7 +108,7 @@ def cmd_eval_stability(a):
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
                     seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=_reencode(a),
                     reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps,
-                    drives=a.drives, ground_truth=a.ground_truth, draw_seed=a.draw_seed), a.json)
+                    drives=a.drives, ground_truth=a.ground_truth), a.json)
 
 
 def cmd_eval_scorer(a):
@@ -428,8 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drives: uniform-random targets, held-out scripted play, hold (the agent commanded to stay "
                          "put: a still world must stay still)")
     es.add_argument("--seed", type=int, default=0)
-    es.add_argument("--draw-seed", type=int, default=None,
-                    help="the noise of a model that draws its next state (default: --seed); the drives stay those of --seed")
     es.add_argument("--drives", type=int, default=1,
                     help="rollouts of each kind, stepped together, each from its own held-out start (and its own "
                          "random targets or scripted episodes): the shares pool them, per_drive lists each")

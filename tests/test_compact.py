@@ -17,15 +17,15 @@ TINY1 = CompactStage1Config(z_dim=8, enc_widths=(8, 8, 16, 16), enc_hidden=32, d
 TINY2 = CompactStage2Config(z_dim=8, width=32, blocks=1, agent_motion=LAW, denoiser_blocks=1)
 
 
-def _release(path, gate_bias=1.0, seed=0, cfg2=TINY2):
+def _release(path, gate_bias=1.0, seed=0):
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    s1, s2 = CompactStage1(TINY1), CompactStage2(cfg2)
+    s1, s2 = CompactStage1(TINY1), CompactStage2(TINY2)
     for p in s2.dynamics.out.parameters():  # zero-initialised: a trained model moves z
         torch.nn.init.normal_(p, std=0.1)
     torch.nn.init.constant_(s2.dynamics.g[1].bias, gate_bias)
     save_release(path / "stage1.safetensors", s1.state_dict(), STAGE1_KIND, TINY1)
-    save_release(path / "stage2.safetensors", s2.state_dict(), STAGE2_KIND, cfg2, dtype=torch.float32,
+    save_release(path / "stage2.safetensors", s2.state_dict(), STAGE2_KIND, TINY2, dtype=torch.float32,
                  extra=dict(rollout=dict(reencode=False)))
     return path
 
@@ -82,38 +82,6 @@ def test_open_gate_moves_the_world(compact):
     z0 = state["ctx"][:, -1].clone()
     wm.step(state, torch.tensor([[250.0, 200.0]]))
     assert not torch.equal(state["ctx"][:, -1], z0)
-
-
-def test_a_drawn_change_follows_its_seed_and_a_closed_gate_still_holds(tmp_path):
-    """noise_dim > 0: the change is drawn; the same seed draws the same rollout, another seed another one, and a
-    world held at rest stays exact whatever the noise (the gate multiplies the drawn change)."""
-    import dataclasses
-
-    cfg = dataclasses.replace(TINY2, noise_dim=4)
-    wm = WorldModel.from_pretrained(_release(tmp_path / "a", cfg2=cfg), device="cpu", stages=("stage1", "stage2"))
-    acts, start, first = np.array([[300.0, 250.0], [320.0, 260.0], [330.0, 270.0]], np.float32), np.array([200.0, 200.0]), _frames(1)[0]
-    r0, r0b, r1 = (wm.rollout(first, acts, seed=s, agent_pos=start) for s in (0, 0, 1))
-    assert np.array_equal(r0, r0b) and not np.array_equal(r0, r1)
-    rest = WorldModel.from_pretrained(_release(tmp_path / "b", gate_bias=-1.0, cfg2=cfg), device="cpu",
-                                      stages=("stage1", "stage2"))
-    state = rest.start_frames(_frames(1), start[None])
-    z0 = state["ctx"][:, -1].clone()
-    for _ in range(3):
-        rest.step(state, torch.tensor(start[None], dtype=torch.float32), torch.Generator().manual_seed(0))
-    assert torch.equal(state["ctx"][:, -1], z0)
-
-
-def test_energy_score_prefers_drawing_an_outcome_to_their_mean():
-    """Where the truth is one of two outcomes, draws of the two score better than the mean drawn twice: the
-    training loss of a sampled change does not reward the average that blends two poses of a T."""
-    from iws_gym.training.compact2 import energy_score
-
-    g = torch.Generator().manual_seed(0)
-    sign = lambda: torch.randint(0, 2, (20000, 1, 1), generator=g).float() * 2 - 1
-    y = sign() * torch.ones(1, 1, 3)
-    mean = torch.zeros_like(y)
-    assert float(energy_score(sign() * torch.ones(1, 1, 3), sign() * torch.ones(1, 1, 3), y)) < \
-        0.6 * float(energy_score(mean, mean, y))
 
 
 def test_pad_first_repeats_the_first_valid_slot():
@@ -189,13 +157,6 @@ def test_train_both_stages_release_and_step(tiny_dataset, tmp_path):
     assert before.keys() == after.keys()
     assert all(torch.allclose(before[k].float(), after[k].float(), atol=1e-6) for k in before)
     assert json.loads((c2b / "train_result.json").read_text())["step"] == 1
-    # --sample N widens the input with zeroed noise columns: the same deterministic step until training moves them
-    c2s = tmp_path / "c2s"
-    run_iws("train", "compact2", "--data", tiny_dataset, "--init", c1, "--out", c2s, "--finetune", rel, "--sample", 3,
-            "--steps", 1, "--batch", 8, "--horizon", 4, "--eval-every", 1, "--warmup", 1, "--lr", 1e-12)
-    drawn = load_file(c2s / "stage2.safetensors")
-    assert drawn["dynamics.inp.weight"].shape[1] == before["dynamics.inp.weight"].shape[1] + 3
-    assert float(drawn["dynamics.inp.weight"][:, -3:].float().abs().max()) < 1e-6
 
 
 def test_compact2_needs_a_compact_stage1(tiny_dataset, tiny_stage1, tmp_path):

@@ -186,12 +186,10 @@ def ground_truth_figures(task: TaskConfig, wm, ck, whole: dict, model: np.ndarra
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
               kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
               reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200,
-              reencode_every: int | None = None, drives: int = 1, ground_truth: bool = False,
-              draw_seed: int | None = None) -> dict:
+              reencode_every: int | None = None, drives: int = 1, ground_truth: bool = False) -> dict:
     """`drives` rollouts of each kind at once, drive i from held-out start i (drive 0 is the one rollout of
     `drives=1`); the shares pool every drive's checks, `per_drive` lists each drive's own. `ground_truth`: the
-    random and scripted drives are also run in the ground truth (module docstring). `draw_seed`: the noise of a
-    model that draws its next state (default: seed), so one set of drives can be rolled out with other draws."""
+    random and scripted drives are also run in the ground truth (module docstring)."""
     from tqdm import tqdm
 
     from iws_gym.models.hardware import dtype_name
@@ -214,8 +212,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     envelope = calibrate(calib, checks=ck)
     whole = ck.calibrate_whole(calib)  # object permanence (T: found, of its true area, rigid; piles: the count kept)
     check = reference_frames(task, calib_episodes, calib_steps, "stability_check")
-    report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed,
-                  draw_seed=seed if draw_seed is None else draw_seed, drives=drives,
+    report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, drives=drives,
                   reencode=reencode,
                   reencode_every=settings.reencode_every if reencode else None, precision=dtype_name(wm.dtype),
                   validity=ck.VALIDITY,
@@ -235,7 +232,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         # a still world: how far each drive's T and frame move from its start
         drift, frame_diff, agent_area = [[] for _ in first], [[] for _ in first], [[] for _ in first]
         own_drift = [[] for _ in first]  # from the model's own drawing of the start: its dynamics alone
-        gen = torch.Generator().manual_seed(seed if draw_seed is None else draw_seed)
+        gen = torch.Generator().manual_seed(seed)
         state = wm.start_frames(first, np.stack([ep["agent_pos"][0] for ep in starts[:drives]]))
         own_first = wm.decode_last(state, generator=torch.Generator().manual_seed(seed)) if kind == "hold" else None
         first_fail, fail_counts, shown, shown_at = None, {}, [first[0]], [0]

@@ -61,8 +61,6 @@ class CompactStage2Config:
     agent_motion: tuple = ()                # the agent's motion law (dynamics.agent_landing), fitted on the data
     denoiser_blocks: int = 4                # 0: no latent denoiser
     denoiser_sigma: float = 0.05            # the noise level it is applied at, in z's standard deviations
-    noise_dim: int = 0                      # > 0: the change is drawn, not averaged: noise of this many dims enters
-                                            # the MLP (trained by an energy score on pairs of unrolls)
 
 
 def _gn(c):
@@ -194,7 +192,7 @@ class Dynamics(nn.Module):
         super().__init__()
         D, K, W = cfg.z_dim, cfg.context, cfg.width
         self.cfg = cfg
-        self.inp = nn.Linear(K * (D + 4 + 1) + 2 + cfg.noise_dim, W)
+        self.inp = nn.Linear(K * (D + 4 + 1) + 2, W)
         self.blocks = _mlp_blocks(W, cfg.blocks)
         self.out = nn.Sequential(nn.LayerNorm(W), nn.Linear(W, D))
         nn.init.zeros_(self.out[1].weight)
@@ -206,19 +204,14 @@ class Dynamics(nn.Module):
         for name in ("z_mu", "z_sd", "dz_sd"):  # the training latents' statistics (set before training)
             self.register_buffer(name, torch.zeros(D) if name == "z_mu" else torch.ones(D))
 
-    def forward(self, z, p, a, n_valid, generator=None):
-        """-> (z_{t+1} (B, D), the gate (B,): 0 where the world is held at rest; 1 without a gate). With
-        `noise_dim`, one draw of the change: its noise comes from `generator` (or the global one)."""
+    def forward(self, z, p, a, n_valid):
+        """-> (z_{t+1} (B, D), the gate (B,): 0 where the world is held at rest; 1 without a gate)."""
         K = self.cfg.context
         mask = (torch.arange(K, device=z.device)[None] >= K - n_valid[:, None]).to(z.dtype)
         nxt = agent_landing(p, a, n_valid, self.cfg.agent_motion)
         zn = (z - self.z_mu) / self.z_sd
         x = torch.cat([(zn * mask[..., None]).flatten(1), (p * 4 - 2).flatten(1), (a * 4 - 2).flatten(1), mask,
                        nxt * 4 - 2], 1)
-        if self.cfg.noise_dim:
-            dev = generator.device if generator is not None else z.device
-            eps = torch.randn(len(z), self.cfg.noise_dim, generator=generator, device=dev).to(z.device, z.dtype)
-            x = torch.cat([x, eps], 1)
         h = self.inp(x)
         for b in self.blocks:
             h = h + b(h)
@@ -262,10 +255,10 @@ class CompactStage2(nn.Module):
         self.dynamics = Dynamics(cfg)
         self.denoiser = Denoiser(cfg) if cfg.denoiser_blocks else None
 
-    def predict(self, z, p, a, n_valid, generator=None):
+    def predict(self, z, p, a, n_valid):
         """The next latent, the gate (see Dynamics) and how far the denoiser moved it (B,), in z's standard
         deviations squared (0 without a denoiser, and at rest: the denoiser only touches latents that moved)."""
-        z1, gate = self.dynamics(z, p, a, n_valid, generator)
+        z1, gate = self.dynamics(z, p, a, n_valid)
         moved = torch.zeros(len(z1), device=z1.device)
         if self.denoiser is not None and self.cfg.denoiser_sigma > 0:
             p1 = agent_landing(p, a, n_valid, self.cfg.agent_motion).clamp(0, 1)
@@ -405,7 +398,7 @@ class CompactWorldModel:
         a = torch.as_tensor(actions, dtype=torch.float32, device=self.device).reshape(-1, 2) / CANVAS
         nv = state["n_valid"]
         acts = pad_first(torch.cat([state["acts"][:, 1:], a[:, None]], 1), nv)
-        z1, gate, state["denoised"] = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv, generator)
+        z1, gate, state["denoised"] = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv)
         p1 = agent_landing(state["agent_hist"], acts, nv, cfg.agent_motion).clamp(0, 1)
         nv1 = (nv + 1).clamp(max=K)
         state["acts"] = acts
@@ -422,7 +415,7 @@ class CompactWorldModel:
 
         `settings.trust`: with a denoiser, the signal is how far it had to move the prediction back towards the
         encodable scenes (free: it runs anyway); without one, the decode-encode cycle error (an extra encode)."""
-        z = self.advance(state, actions, generator)
+        z = self.advance(state, actions)
         frames = self._render(z, state["agent_hist"][:, -1])
         st = self.settings
         due = (state["t"] % st.reencode_every == 0) & (state["gate"] > 0) if st.reencode else None
@@ -442,9 +435,9 @@ class CompactWorldModel:
         if agent_pos is None:
             raise ValueError("rollout needs the agent's position in the first frame, agent_pos (2,)")
         state = self.start_frames(first_frame[None], np.reshape(agent_pos, (1, 2)))
-        frames, gen = [first_frame], torch.Generator(self.device).manual_seed(seed)
+        frames = [first_frame]
         for a in np.asarray(actions, dtype=np.float32):
-            frames.append(self.step(state, torch.from_numpy(a)[None], gen)[0])
+            frames.append(self.step(state, torch.from_numpy(a)[None])[0])
         return np.stack(frames)
 
 

@@ -329,9 +329,7 @@ def _compact_predictor(checkpoint, settings: RolloutSettings):
             return wm.rollout(ep["frames"][0], ep["actions"][:horizon], agent_pos=ep["agent_pos"][0])
 
         roll.precision, roll.reencode_every = dtype_name(wm.dtype), settings.reencode_every
-        nd = wm.stage2.cfg.noise_dim
-        roll.reencode, roll.dynamics_steps = settings.reencode, 1
-        roll.dynamics_sampler = f"drawn (noise_dim {nd}, seed 0)" if nd else "deterministic"
+        roll.reencode, roll.dynamics_sampler, roll.dynamics_steps = settings.reencode, "deterministic", 1
         return "open_loop_rollout", roll
 
     def autoencode(ep, horizon):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +51,10 @@ class Options:
                                    "by more than 0.1 of its standard deviation in a predicted step")
     finetune: str | None = arg(None, "continue this compact stage-2 release (its config and normalisation; "
                                      "--preset is ignored); it must belong to the --init stage 1's latent")
-    preset: str = arg("default", "model: default | nodenoiser | sampled (the change drawn, noise_dim 16) | tiny (tests)")
-    sample: int = arg(0, "with --finetune: draw the change from this many noise dims (new input columns start at "
-                         "zero, so training starts from the release's deterministic step)")
+    preset: str = arg("default", "model size: default | nodenoiser | tiny (tests)")
 
 
-PRESETS = {"default": {}, "nodenoiser": dict(denoiser_blocks=0), "tiny": dict(width=32, blocks=1, denoiser_blocks=1),
-           "sampled": dict(noise_dim=16)}
+PRESETS = {"default": {}, "nodenoiser": dict(denoiser_blocks=0), "tiny": dict(width=32, blocks=1, denoiser_blocks=1)}
 
 
 class Latents:
@@ -166,14 +163,6 @@ def open_loop_error(dyn, L: Latents, rng, n: int, H: int):
     return (((pred - tgt) / dyn.z_sd) ** 2).mean((0, 2)), idx, tgt
 
 
-def energy_score(x1: torch.Tensor, x2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The energy score of two independent draws x1, x2 against the truth y, each (B, H, D), per step over D and
-    averaged: E|x - y| - E|x - x'| / 2, a proper scoring rule, lowest when the draws follow the truth's
-    distribution (so a step that cannot know which of two outcomes comes draws one of them, not their mean)."""
-    norm = lambda v: (v.pow(2).sum(-1) + 1e-8).sqrt()
-    return (0.5 * (norm(x1 - y) + norm(x2 - y)) - 0.5 * norm(x1 - x2)).mean()
-
-
 class Trainable(CompactStage2):
     def __init__(self, cfg, o):
         super().__init__(cfg)
@@ -182,16 +171,8 @@ class Trainable(CompactStage2):
     def forward(self, batch, step):
         idx, nv, at_rest, H, L = batch
         with torch.autocast(idx.device.type, enabled=False):
-            if self.cfg.noise_dim:  # two draws of each window's unroll, scored together (energy_score)
-                two = lambda x: torch.cat([x, x])
-                pred, tgt, gate = unroll(self.dynamics, L, two(idx), two(nv), H, self.o.ctx_noise, two(at_rest))
-                B = len(idx)
-                dyn = energy_score(pred[:B] / self.dynamics.z_sd, pred[B:] / self.dynamics.z_sd,
-                                   tgt[:B] / self.dynamics.z_sd)
-                at_rest = two(at_rest)
-            else:
-                pred, tgt, gate = unroll(self.dynamics, L, idx, nv, H, self.o.ctx_noise, at_rest)
-                dyn = (((pred - tgt) / self.dynamics.z_sd) ** 2).mean()
+            pred, tgt, gate = unroll(self.dynamics, L, idx, nv, H, self.o.ctx_noise, at_rest)
+            dyn = (((pred - tgt) / self.dynamics.z_sd) ** 2).mean()
             loss, logs = dyn, dict(dynamics=dyn.item())
             if self.cfg.gate and bool(at_rest.any()):
                 rest = gate[at_rest].mean()
@@ -254,12 +235,6 @@ class Stage(StageBase):
             if cfg.z_dim != s1.cfg.z_dim:
                 raise ValueError(f"--finetune {f2} predicts z of {cfg.z_dim} dims, but the --init stage 1 "
                                  f"{self.s1_file} encodes {s1.cfg.z_dim}")
-            if o.sample and o.sample != cfg.noise_dim:
-                if cfg.noise_dim:
-                    raise ValueError(f"--sample {o.sample}: {f2} already draws from {cfg.noise_dim} noise dims")
-                w = sd2["dynamics.inp.weight"]
-                sd2["dynamics.inp.weight"] = torch.cat([w, w.new_zeros(len(w), o.sample)], 1)
-                cfg = replace(cfg, noise_dim=o.sample)
             self.config = cfg
             self.model = Trainable(cfg, o)
             load_state_checked(self.model, sd2, f2)
@@ -280,11 +255,6 @@ class Stage(StageBase):
         """32-step open-loop latent error on held-out episodes, against copying the last context latent, and on
         training episodes (the gap between the two: how much of the fit generalises); how far a held agent moves
         z in 100 steps (0 in gym-pusht); the denoiser's error left at sigma 0.05."""
-        with torch.random.fork_rng(devices=[]):  # a sampled change draws its noise from the global generator
-            torch.manual_seed(0)
-            return self._evaluate(ema)
-
-    def _evaluate(self, ema) -> dict:
         rng = np.random.default_rng(0)
         K, dyn = self.config.context, ema.dynamics
         err, idx, tgt = open_loop_error(dyn, self.val, rng, 512, 32)
