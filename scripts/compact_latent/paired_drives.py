@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+from iws_gym.evaluation.fidelity import bootstrap_ci
+
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -24,13 +26,11 @@ def main(argv=None) -> dict:
         raise ValueError(f"not the same drives: seed/drives/steps {A['seed'], A['drives'], A['steps']} against "
                          f"{B['seed'], B['drives'], B['steps']}")
     out = dict(command=" ".join(["python"] + sys.argv), a=o.a, b=o.b, drives=A["drives"], kinds={})
-    rng = np.random.default_rng(0)
     for k in sorted(set(A["rollouts"]) & set(B["rollouts"])):
         x, y = (np.array([d["t_whole_share"] for d in r["rollouts"][k]["per_drive"]]) for r in (A, B))
         d = y - x
-        boot = d[rng.integers(0, len(d), (4000, len(d)))].mean(1)
         out["kinds"][k] = dict(a=float(x.mean()), b=float(y.mean()), diff_b_minus_a=float(d.mean()),
-                               diff_ci95=[float(v) for v in np.percentile(boot, [2.5, 97.5])],
+                               diff_ci95=bootstrap_ci(d),
                                b_more_whole=int((d > 0).sum()), b_less_whole=int((d < 0).sum()), tied=int((d == 0).sum()))
     with open(o.json, "w") as f:
         json.dump(out, f, indent=1)

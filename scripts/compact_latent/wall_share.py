@@ -4,7 +4,7 @@ meets a wall or a corner).
     python scripts/compact_latent/wall_share.py DATA [DATA ...] [--episodes 120] [--margin 10] --json OUT.json
 
 Per dataset, over its first `--episodes` episodes: the share of frames whose T has a vertex within `--margin` px of
-a wall's inner face (gym-pusht's walls, behaviours.WALLS), the share of transitions where the T moves (> 0.5 px or
+a wall's inner face (breaks_at_walls.near_wall), the share of transitions where the T moves (> 0.5 px or
 0.01 rad), and the share of those that happen against a wall.
 """
 from __future__ import annotations
@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from iws_gym.data.episodes import list_episodes, read_episode
-from iws_gym.tasks.pusht.behaviours import WALLS
-from iws_gym.tasks.pusht.groundtruth import t_polygons
+
+sys.path.insert(0, str(Path(__file__).parent))
+from breaks_at_walls import near_wall  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -32,8 +34,7 @@ def main(argv=None) -> dict:
         near, moving = [], []
         for p in list_episodes(d)[: a.episodes]:
             b = read_episode(p, ["block_pose"])["block_pose"]
-            v = np.stack([np.concatenate(t_polygons(q)) for q in b])  # (T, 8, 2)
-            near.append((v.min((1, 2)) < WALLS[0] + a.margin) | (v.max((1, 2)) > WALLS[1] - a.margin))
+            near.append(np.array([near_wall(q, a.margin) for q in b]))
             step = np.diff(b, axis=0)
             moving.append((np.linalg.norm(step[:, :2], axis=1) > 0.5) | (np.abs(step[:, 2]) > 0.01))
         n, m = np.concatenate([x[:-1] for x in near]), np.concatenate(moving)
