@@ -230,9 +230,10 @@ def cmd_bench(a):
 
 
 def cmd_release(a):
-    from iws_gym.training.release import release
+    from iws_gym.training.release import parse_settings, release
 
-    _emit(release(Path(a.run), a.stage, Path(a.dest), [Path(r) for r in a.report], a.command), None)
+    _emit(release(Path(a.run), a.stage, Path(a.dest), [Path(r) for r in a.report], a.command,
+                  parse_settings(a.set)), None)
 
 
 def _emit(report: dict, path: str | None, summary_only: bool = False):
@@ -606,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dest", default="checkpoints/tpushing")
     r.add_argument("--report", nargs="*", default=[], help="JSON reports measured on these weights")
     r.add_argument("--command", default=None, help="the exact training command, if train_result.json lacks it")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a config field of a release being promoted (or re-released in place) that acts only "
+                   "at inference, e.g. denoiser_steps=10 (the weights are unchanged; recorded in the provenance)")
     r.set_defaults(fn=cmd_release)
     return p
 

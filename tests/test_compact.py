@@ -346,3 +346,53 @@ def test_a_gate_pulled_shut_from_the_start_reopens_and_learns_the_motion(monkeyp
     with torch.no_grad():
         _, gate = m.dynamics(L.z[idx[:, :4]], L.p[idx[:, :4]], L.a[idx[:, :4]], torch.full((256,), 4))
     assert float((gate > 0).float().mean()) > 0.2
+
+
+def test_denoiser_ode_lands_on_one_scene_where_one_call_blends():
+    """Two encodable scenes at -1 and +1 (the exact denoiser of that mixture): from a prediction between them one
+    call at a high sigma returns their blend, near 0; the probability-flow ODE (denoiser_steps > 1) lands on one."""
+    from iws_gym.models.sampler import euler_from
+    from iws_gym.models.schedule import geometric_sigmas
+
+    def mixture(x, s):  # E[x0 | x] for x0 = +-1 with equal weight, x = x0 + s eps
+        s = s[:, None]
+        return torch.tanh(x / s ** 2)
+
+    x = torch.tensor([[0.3], [-0.2]])
+    one = mixture(x, torch.full((2,), 2.0))
+    ode = euler_from(mixture, x, geometric_sigmas(12, 2.0, 0.01))
+    assert float(one.abs().max()) < 0.1
+    torch.testing.assert_close(ode, torch.tensor([[1.0], [-1.0]]), atol=1e-3, rtol=0)
+    assert torch.equal(euler_from(mixture, x, geometric_sigmas(1, 0.5, 0.5)), mixture(x, torch.full((2,), 0.5)))
+
+
+def test_denoiser_steps_set_at_release(compact, tmp_path):
+    """`iws release --set` changes an inference field of a release's config and nothing else; one step is the one
+    call the weights were released with; a bad field or value is named and nothing is written."""
+    from .conftest import run_iws
+
+    entry = dict(file="stage2.safetensors", size_mb=0.1, command="iws train compact2", data="d", data_seed=0,
+                 data_episodes=1, steps=1, wall_s=1.0, device="cpu", trained_at_commit="x", released_at_commit="x",
+                 train_eval={}, reports={})
+    (compact / "provenance.json").write_text(json.dumps({"stage2": entry}))
+    dest = tmp_path / "ode"
+    dest.mkdir()
+    (dest / "stage1.safetensors").write_bytes((compact / "stage1.safetensors").read_bytes())
+    run_iws("release", "--run", compact, "--stage", "stage2", "--dest", dest, "--set", "denoiser_steps=6",
+            "--set", "denoiser_sigma=0.4")
+    a, b = (WorldModel.from_pretrained(d, device="cpu", stages=("stage1", "stage2")) for d in (compact, dest))
+    assert (a.stage2.cfg.denoiser_steps, b.stage2.cfg.denoiser_steps, b.stage2.cfg.denoiser_sigma) == (1, 6, 0.4)
+    assert all(torch.equal(p, q) for p, q in zip(a.stage2.state_dict().values(), b.stage2.state_dict().values()))
+    prov = json.loads((dest / "provenance.json").read_text())["stage2"]
+    assert prov["config_set"][0]["changes"] == {"denoiser_steps": [1, 6], "denoiser_sigma": [0.05, 0.4]}
+    assert "denoiser_steps` 1 -> 6" in (dest / "PROVENANCE.md").read_text()
+    frames = _frames(1)
+    acts = np.array([[260.0, 200.0]] * 3, np.float32)
+    ra, rb = (m.rollout(frames[0], acts, agent_pos=np.array([200.0, 200.0])) for m in (a, b))
+    assert not np.array_equal(ra, rb)
+    before = (dest / "stage2.safetensors").read_bytes()
+    for bad, named in (("denoiser_step=3", "denoiser_step"), ("denoiser_steps=0", "denoiser_steps"), ("width=64", "width"),
+                       ("denoiser_sigma_min=0.9", "denoiser_sigma_min")):
+        r = run_iws("release", "--run", dest, "--stage", "stage2", "--dest", dest, "--set", bad, check=False)
+        assert r.returncode == 2 and named in r.stderr
+    assert (dest / "stage2.safetensors").read_bytes() == before

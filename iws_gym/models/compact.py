@@ -13,7 +13,8 @@ upsamplings. The agent's position is the robot's own proprioception, as the agen
 Stage 2: an MLP over the K context latents, the agent's position and the action at each slot and the motion
 law's next agent position predicts the change of z; a learned gate, relu(g), multiplies it, so where nothing
 acts z does not move at all (a world at rest stays exact). Optionally a latent denoiser (EDM preconditioning)
-pulls each moved latent back towards the encodable scenes at a small sigma. Nothing in either stage names an
+pulls each moved latent back towards the encodable scenes: one call at a small sigma, or the probability-flow
+ODE from a larger one (`denoiser_steps`). Nothing in either stage names an
 object: a task is its data, its z_dim and its agent's motion law.
 
 The measurements that chose this design, and what limits it, are in docs/experiments.md ("a compact latent the
@@ -35,6 +36,8 @@ from iws_gym.models import trust
 from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind, release_metadata
 from iws_gym.models.dynamics import agent_landing as _landing
 from iws_gym.models.hardware import autocast, default_dtype, resolve_device
+from iws_gym.models.sampler import euler_from
+from iws_gym.models.schedule import geometric_sigmas
 
 STAGE1_KIND, STAGE2_KIND = "compact_stage1", "compact_stage2"
 CANVAS = 512.0  # positions and actions are canvas px; the networks see them divided by this
@@ -60,7 +63,18 @@ class CompactStage2Config:
     gate: bool = True                       # relu(g) on the change: exactly zero where nothing acts
     agent_motion: tuple = ()                # the agent's motion law (dynamics.agent_landing), fitted on the data
     denoiser_blocks: int = 4                # 0: no latent denoiser
-    denoiser_sigma: float = 0.05            # the noise level it is applied at, in z's standard deviations
+    denoiser_sigma: float = 0.05            # the noise level it starts from, in z's standard deviations
+    denoiser_steps: int = 1                 # 1: one call at denoiser_sigma (the mean of the scenes near the
+                                            # prediction); n > 1: the probability-flow ODE down to
+                                            # denoiser_sigma_min in n calls (one scene near it; Denoiser.project)
+    denoiser_sigma_min: float = 0.01
+
+    def __post_init__(self):
+        if isinstance(self.denoiser_steps, bool) or not isinstance(self.denoiser_steps, int) or self.denoiser_steps < 1:
+            raise ValueError(f"denoiser_steps must be an int >= 1, got {self.denoiser_steps!r}")
+        if self.denoiser_steps > 1 and not 0 < self.denoiser_sigma_min <= self.denoiser_sigma:
+            raise ValueError(f"denoiser_sigma_min must be in (0, denoiser_sigma], got {self.denoiser_sigma_min!r} "
+                             f"with denoiser_sigma {self.denoiser_sigma!r}")
 
 
 def _gn(c):
@@ -245,6 +259,12 @@ class Denoiser(nn.Module):
             h = h + b(h)
         return (c_skip[:, None] * zn + c_out[:, None] * self.out(h)) * self.z_sd + self.z_mu
 
+    def project(self, z, p, sigmas):
+        """A moved latent back to one encodable scene near it: read as a sample at sigmas[0], integrated down
+        `sigmas` by the probability-flow ODE (sampler.euler_from; one call for one level). A single call at a
+        high sigma returns the mean of the scenes within it, a blend of poses; the ODE follows the density to one."""
+        return euler_from(lambda x, s: self(x, p, s), z, sigmas)
+
 
 class CompactStage2(nn.Module):
     def __init__(self, cfg: CompactStage2Config):
@@ -262,7 +282,8 @@ class CompactStage2(nn.Module):
         moved = torch.zeros(len(z1), device=z1.device)
         if self.denoiser is not None and self.cfg.denoiser_sigma > 0:
             p1 = agent_landing(p, a, n_valid, self.cfg.agent_motion).clamp(0, 1)
-            zd = self.denoiser(z1, p1, torch.full((len(z1),), self.cfg.denoiser_sigma, device=z1.device))
+            c = self.cfg
+            zd = self.denoiser.project(z1, p1, geometric_sigmas(c.denoiser_steps, c.denoiser_sigma, c.denoiser_sigma_min))
             open_ = (gate > 0)[:, None]
             moved = torch.where(open_, (zd - z1) / self.denoiser.z_sd, 0.0).pow(2).mean(1)
             z1 = torch.where(open_, zd, z1)

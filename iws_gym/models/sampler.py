@@ -6,7 +6,8 @@ level, jump again. 1, 2 or 4 steps is the length of `sigmas`, not a code path.
 
 `euler_sample` instead integrates the probability-flow ODE (Karras et al. 2022, Euler steps) with the same
 denoiser read as an EDM denoiser (the objectives' denoising terms train it as one): a diagnostic of
-what the network has learned as a distribution, not only as a one-step jump.
+what the network has learned as a distribution, not only as a one-step jump. `euler_from` runs the same ODE
+from a given point instead of noise (the compact design's latent denoiser, models/compact.py).
 """
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ def euler_sample(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], 
     x <- x0 + (sigma_next / sigma) (x - x0), one denoiser call per level."""
     device = device or "cpu"
     gen_device = generator.device if generator is not None else device
+    x = torch.randn(shape, generator=generator, device=gen_device).to(device=device, dtype=dtype) * float(sigmas[0])
+    return euler_from(denoise, x, sigmas)
+
+
+def euler_from(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, sigmas) -> torch.Tensor:
+    """The same ODE from a given x read as a sample at sigmas[0] (SDEdit without the added noise): it follows the
+    density to one clean point near x, where one denoiser call at sigmas[0] returns the mean of those near x."""
     sigmas = [float(s) for s in sigmas] + [0.0]
-    x = torch.randn(shape, generator=generator, device=gen_device).to(device=device, dtype=dtype) * sigmas[0]
     for sigma, nxt in zip(sigmas[:-1], sigmas[1:]):
-        x0 = denoise(x, torch.full((shape[0],), sigma, device=device, dtype=dtype))
+        x0 = denoise(x, torch.full((x.shape[0],), sigma, device=x.device, dtype=x.dtype))
         x = x0 + (nxt / sigma) * (x - x0)
     return x

@@ -65,3 +65,12 @@ def sampling_sigmas(steps: int, sigma_max: float, sigma_mid: float, sigma_min: f
     rest = torch.logspace(math.log10(sigma_mid * 4 ** (steps - 2)), math.log10(sigma_mid), steps - 1)
     rest = rest.clamp(max=sigma_max * 0.5)
     return torch.cat([torch.tensor([sigma_max]), rest])
+
+
+def geometric_sigmas(n: int, sigma_max: float, sigma_min: float) -> torch.Tensor:
+    """n levels from sigma_max down to sigma_min, evenly spaced in log sigma; 1: [sigma_max]."""
+    if n < 1 or not 0 < sigma_min <= sigma_max:
+        raise ValueError(f"need n >= 1 and 0 < sigma_min <= sigma_max, got {n}, {sigma_min}, {sigma_max}")
+    if n == 1:
+        return torch.tensor([float(sigma_max)])
+    return torch.logspace(math.log10(sigma_max), math.log10(sigma_min), n)

@@ -37,11 +37,58 @@ def _summaries(reports: list[Path]) -> dict:
     return out
 
 
-def promote(src: Path, stage: str, dest: Path, reports: list[Path]) -> dict:
+def _settable(kind: str):
+    """-> (the config class of a release kind, the fields `--set` may change: those that act only at inference)."""
+    from iws_gym.models.compact import STAGE2_KIND, CompactStage2Config
+
+    fields = {STAGE2_KIND: (CompactStage2Config, ("denoiser_sigma", "denoiser_steps", "denoiser_sigma_min"))}
+    if kind not in fields:
+        raise ValueError(f"--set: a {kind!r} release has no fields that act only at inference")
+    return fields[kind]
+
+
+def parse_settings(items: list[str]) -> dict:
+    """["KEY=VALUE", ...] -> {KEY: VALUE}, VALUE read as JSON (a bare word stays a string)."""
+    out = {}
+    for it in items:
+        key, eq, value = it.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set takes KEY=VALUE, got {it!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def reconfigured(weights: Path, changes: dict) -> tuple[dict, dict, dict]:
+    """The metadata and tensors of `weights` with fields of its config changed (fields that only act at inference,
+    such as the compact denoiser's schedule: the weights are unchanged), checked by rebuilding the config.
+    -> (metadata strings, tensors, {field: [old, new]}). Nothing is written."""
+    from iws_gym.models.checkpoint import _read_safetensors, config_from_dict, config_to_dict
+
+    meta, tensors = _read_safetensors(weights)
+    cls, settable = _settable(meta.get("kind"))
+    cfg = json.loads(meta["config"])
+    full = config_to_dict(config_from_dict(cls, cfg, where=f"{weights} config"))  # defaults of newer fields included
+    unknown = sorted(set(changes) - set(settable))
+    if unknown:
+        raise ValueError(f"--set: {unknown} cannot be changed on a {cls.__name__} release (only what acts at "
+                         f"inference: {', '.join(settable)})")
+    changed = {k: [full[k], v] for k, v in changes.items() if full[k] != v}
+    cfg.update(changes)
+    config_from_dict(cls, cfg, where=f"{weights} config with --set")
+    return dict(meta, config=json.dumps(cfg)), tensors, changed
+
+
+def promote(src: Path, stage: str, dest: Path, reports: list[Path], settings: dict | None = None) -> dict:
     """Make a candidate release (a directory written like checkpoints/<task>, with provenance.json) the
     release in `dest`: its weights and its provenance entry, chain included, move over unchanged; the
     release commit is now, and the reports given replace the candidate's (none given: they are kept).
-    With src == dest this re-releases the weights in place with new reports."""
+    With src == dest this re-releases the weights in place with new reports. `settings`: config fields to change
+    (`--set`), recorded in the provenance entry's `config_set` (every change made so far, oldest first)."""
+    from iws_gym.models.checkpoint import _write_safetensors
+
     src, dest = Path(src), Path(dest)
     prov_src = json.loads((src / "provenance.json").read_text())
     if stage not in prov_src:
@@ -52,10 +99,16 @@ def promote(src: Path, stage: str, dest: Path, reports: list[Path]) -> dict:
     same = src.resolve() == dest.resolve()  # re-releasing in place: new reports for the same weights
     entry = dict(prov_src[stage], released_at_commit=git_commit(),
                  promoted_from=prov_src[stage].get("promoted_from") if same else _norm(src))
+    reconf = reconfigured(weights, settings) if settings else None  # checked before anything is written
     if reports:
         entry["reports"] = _summaries(reports)
     dest.mkdir(parents=True, exist_ok=True)
-    if not same:
+    if reconf is not None:
+        meta, tensors, changed = reconf
+        _write_safetensors(dest / f"{stage}.safetensors", tensors, meta)
+        entry["config"] = json.loads(meta["config"])
+        entry["config_set"] = list(entry.get("config_set") or []) + [dict(changes=changed, at_commit=git_commit())]
+    elif not same:
         tmp = dest / f".{stage}.safetensors.tmp"
         shutil.copyfile(weights, tmp)
         tmp.replace(dest / f"{stage}.safetensors")
@@ -66,9 +119,10 @@ def promote(src: Path, stage: str, dest: Path, reports: list[Path]) -> dict:
     return entry
 
 
-def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None) -> dict:
+def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str | None = None,
+            settings: dict | None = None) -> dict:
     """Release a trained stage from its run directory, or promote a candidate release: a directory
-    with provenance.json and no train_result.json (see `promote`)."""
+    with provenance.json and no train_result.json (see `promote`; only a promotion takes `settings`)."""
     from safetensors import safe_open
 
     run, dest = Path(run), Path(dest)
@@ -76,7 +130,9 @@ def release(run: Path, stage: str, dest: Path, reports: list[Path], command: str
     if not src.is_file():
         raise FileNotFoundError(f"{src} does not exist: train the stage first")
     if (run / "provenance.json").is_file() and not (run / "train_result.json").is_file():
-        return promote(run, stage, dest, reports)
+        return promote(run, stage, dest, reports, settings)
+    if settings:
+        raise ValueError("--set changes a release's config: release the run first, then --set on that release")
     result_file = run / "train_result.json"
     result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     with safe_open(str(src), framework="pt") as f:
@@ -128,6 +184,9 @@ def _write_provenance(dest: Path, prov: dict) -> None:
                   f"- steps: {p['steps']}, wall time: {p['wall_s']} s on {p['device']}",
                   f"- trained at commit `{p['trained_at_commit']}`, released at commit `{p['released_at_commit']}`",
                   f"- eval during training: `{json.dumps(p['train_eval'])}`"]
+        for c in p.get("config_set") or []:
+            lines.append(f"- config changed at release (commit `{c['at_commit']}`; the weights are unchanged): "
+                         + ", ".join(f"`{k}` {old} -> {new}" for k, (old, new) in c["changes"].items()))
         if p.get("promoted_from"):
             lines.append(f"- promoted from the candidate release `{p['promoted_from']}` (run `{p.get('run')}`)")
         b = p.get("finetuned_from")
