@@ -11,7 +11,7 @@ if "IWS-TPushing-v0" not in registry:
     register(id="IWS-TPushing-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
              vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=300,
              kwargs={"task": "tpushing"})
-if "IWS-PileSweeping-v0" not in registry:  # needs weights: checkpoint=DIR until checkpoints/pilesweeping ships
+if "IWS-PileSweeping-v0" not in registry:  # its weights: checkpoints/pilesweeping
     register(id="IWS-PileSweeping-v0", entry_point="iws_gym.envs.env:WorldSimEnv",
              vector_entry_point="iws_gym.envs.vector_env:WorldSimVectorEnv", max_episode_steps=400,
              kwargs={"task": "pilesweeping"})

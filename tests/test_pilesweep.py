@@ -204,6 +204,25 @@ def test_learned_pile_sweeping_env(tiny_pile_release):
     assert obs["pixels"].shape == (2, 128, 128, 3) and reward.shape == (2,)
 
 
+def test_shipped_pile_weights_make_the_env():
+    """The shipped weights (checkpoints/pilesweeping): gym.make("IWS-PileSweeping-v0") with no checkpoint given
+    passes the env checker, starts from the ground truth's own render of a held-out pile, and a step draws a
+    frame whose piece count is read near the pile's (a pushed puck may fade later: docs/results.md)."""
+    from gymnasium.utils.env_checker import check_env
+
+    import iws_gym  # noqa: F401
+
+    env = gym.make("IWS-PileSweeping-v0", device="cpu")
+    check_env(env.unwrapped, skip_render_check=True)
+    gt = make_env()
+    gt.reset(seed=1_000_001)  # a held-out pile
+    state = gt.get_state()
+    obs, _ = env.reset(options={"reset_to_state": state})
+    assert np.array_equal(obs["pixels"], render_state(state))
+    obs, reward, terminated, truncated, info = env.step(obs["agent_pos"])
+    assert obs["pixels"].shape == (128, 128, 3) and abs(info["pieces"] - N_PIECES) <= 0.05 * N_PIECES
+
+
 def test_fidelity_reads_the_pile(tiny_pile_release, tmp_path):
     """`iws eval fidelity --task pilesweeping`: the piece count and in-region share read from each frame against
     the truth; on real frames drawn again the count is whole and the share error small."""

@@ -52,8 +52,10 @@ def test_compact_recipe_collects_four_kinds_of_data_and_releases_a_compact_model
     from iws_gym.models.compact import CompactWorldModel
     from iws_gym.models.world_model import WorldModel
 
+    prov = json.loads((out / "release" / "provenance.json").read_text())["stage2"]  # the release's inference settings
+    assert prov["config"]["denoiser_steps"] == 4 and prov["config_set"][0]["changes"] == {"denoiser_steps": [1, 4]}
     wm = WorldModel.from_pretrained(out / "release", device="cpu", stages=("stage1", "stage2"))
-    assert isinstance(wm, CompactWorldModel)
+    assert isinstance(wm, CompactWorldModel) and wm.stage2.cfg.denoiser_steps == 4
     assert wm.rollout(np.full((128, 128, 3), 255, np.uint8), np.zeros((2, 2)), agent_pos=[256.0, 256.0]).shape[0] == 3
     proc = run_iws("train", "recipe", "--out", tmp_path / "bad", "--design", "pixels", *TINY, check=False)
     assert proc.returncode != 0 and "--design must be one of" in proc.stderr

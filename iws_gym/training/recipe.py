@@ -5,7 +5,8 @@
     iws train recipe --task tpushing --out runs/compact --design compact     # the compact design (models/compact.py)
 
 Steps, in order: collect the dataset (OUT/data), train stage 1 (OUT/stage1), train stage 2 on it
-(OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>). The compact
+(OUT/stage2), release both with their provenance (OUT/release, laid out like checkpoints/<task>; with the
+design's inference settings, RELEASE_SETTINGS). The compact
 design also collects the planning expert's pushes and uniform-random and jittery drives (OUT/data_expert,
 OUT/data_random, OUT/data_jittery), on which with OUT/data stage 1 trains (OUT/compact1), and, once stage 1 is
 done, 3.4 times as many episodes again (OUT/data_*_more) for stage 2 alone (OUT/compact2). A step
@@ -49,6 +50,11 @@ DEFAULTS = {  # per design: steps and peak learning rate of each stage (compact 
     "spatial": dict(episodes=600, stage1_steps=24000, stage2_steps=6000, stage1_lr=1e-3, stage2_lr=7e-4),
     "compact": dict(episodes=400, stage1_steps=24000, stage2_steps=40000, stage1_lr=5e-4, stage2_lr=1e-3),
 }
+
+# per design, settings chosen after training that act only at inference, applied to the release as `iws release
+# --set` would (recorded in its provenance's config_set): the compact latent denoiser integrated as an ODE from its
+# sigma down to 0.01 in four calls (issue 36; docs/results.md, "The latent denoiser integrated as an ODE")
+RELEASE_SETTINGS = {"compact": {"denoiser_steps": 4}}
 
 
 @dataclass
@@ -188,6 +194,8 @@ def recipe(r: RecipeArgs, argv=None) -> dict:
     # 4. release
     for name, run in zip(("stage1", "stage2"), [s[0] for s in stages]):
         release(out / run, name, out / "release", [])
+    if r.design in RELEASE_SETTINGS:
+        release(out / "release", "stage2", out / "release", [], settings=RELEASE_SETTINGS[r.design])
     note("release", path=str(out / "release"), wall_s_total=round(sum(s.get("wall_s", 0) for s in log["steps"].values()), 1))
     return log
 
