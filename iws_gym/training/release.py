@@ -107,7 +107,7 @@ def promote(src: Path, stage: str, dest: Path, reports: list[Path], settings: di
         meta, tensors, changed = reconf
         _write_safetensors(dest / f"{stage}.safetensors", tensors, meta)
         entry["config"] = json.loads(meta["config"])
-        entry["config_set"] = list(entry.get("config_set") or []) + [dict(changes=changed, at_commit=git_commit())]
+        entry["config_set"] = list(entry.get("config_set") or []) + [dict(changes=changed, at_commit=entry["released_at_commit"])]
     elif not same:
         tmp = dest / f".{stage}.safetensors.tmp"
         shutil.copyfile(weights, tmp)
