@@ -274,6 +274,9 @@ class CompactStage2(nn.Module):
         self.cfg = cfg
         self.dynamics = Dynamics(cfg)
         self.denoiser = Denoiser(cfg) if cfg.denoiser_blocks else None
+        # the levels Denoiser.project runs down each step (fixed by the config: computed once, not per step)
+        self.denoiser_sigmas = [] if cfg.denoiser_sigma <= 0 else [float(cfg.denoiser_sigma)] if cfg.denoiser_steps == 1 \
+            else [float(s) for s in geometric_sigmas(cfg.denoiser_steps, cfg.denoiser_sigma, cfg.denoiser_sigma_min)]
 
     def predict(self, z, p, a, n_valid):
         """The next latent, the gate (see Dynamics) and how far the denoiser moved it (B,), in z's standard
@@ -282,8 +285,7 @@ class CompactStage2(nn.Module):
         moved = torch.zeros(len(z1), device=z1.device)
         if self.denoiser is not None and self.cfg.denoiser_sigma > 0:
             p1 = agent_landing(p, a, n_valid, self.cfg.agent_motion).clamp(0, 1)
-            c = self.cfg
-            zd = self.denoiser.project(z1, p1, geometric_sigmas(c.denoiser_steps, c.denoiser_sigma, c.denoiser_sigma_min))
+            zd = self.denoiser.project(z1, p1, self.denoiser_sigmas)
             open_ = (gate > 0)[:, None]
             moved = torch.where(open_, (zd - z1) / self.denoiser.z_sd, 0.0).pow(2).mean(1)
             z1 = torch.where(open_, zd, z1)
