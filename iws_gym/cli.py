@@ -47,24 +47,14 @@ def cmd_eval_pose(a):
     _emit(validate_pose_estimator(_task(a.task), a.episodes, a.steps), a.json)
 
 
-def _reencode(a) -> bool:
-    """--reencode / --no-reencode as given, else the release's own default (the spatial design re-encodes, the
-    compact one does not)."""
-    if a.reencode is not None:
-        return a.reencode
-    from iws_gym.models.world_model import release_reencodes
-
-    return release_reencodes(a.checkpoint or _task(a.task).checkpoint_path)
-
-
 def cmd_eval_fidelity(a):
     from iws_gym.evaluation.fidelity import fidelity
 
-    from iws_gym.models.world_model import RolloutSettings
+    from iws_gym.models.world_model import release_settings
 
-    given = dict(decoder_steps=a.decoder_steps, dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler,
-                 reencode=_reencode(a), reencode_every=a.reencode_every, ctx_sigma=a.ctx_sigma)
-    settings = RolloutSettings(**{k: v for k, v in given.items() if v is not None})
+    settings = release_settings(a.checkpoint or _task(a.task).checkpoint_path, decoder_steps=a.decoder_steps,
+                                dynamics_steps=a.dynamics_steps, dynamics_sampler=a.dynamics_sampler, reencode=a.reencode,
+                                reencode_every=a.reencode_every, ctx_sigma=a.ctx_sigma)
     report = fidelity(_task(a.task), a.checkpoint, horizon=a.horizon, episodes=a.episodes, behaviour=a.behaviour,
                       settings=settings, plot=Path(a.plot) if a.plot else None, grid=Path(a.grid) if a.grid else None,
                       split=a.split)
@@ -106,7 +96,7 @@ def cmd_eval_stability(a):
     from iws_gym.evaluation.stability import stability
 
     _emit(stability(_task(a.task), a.checkpoint, steps=a.steps, check_every=a.check_every, kinds=a.actions,
-                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=_reencode(a),
+                    seed=a.seed, strip=Path(a.strip) if a.strip else None, device=a.device, reencode=a.reencode,
                     reencode_every=a.reencode_every, calib_episodes=a.calib_episodes, calib_steps=a.calib_steps,
                     drives=a.drives, ground_truth=a.ground_truth), a.json)
 
@@ -134,7 +124,7 @@ def cmd_eval_correlate(a):
         extra[name] = spec
     _emit(correlate(_task(a.task), a.episodes, a.horizon, a.seed, a.checkpoint, a.device, names=a.policies, extra=extra,
                     plot=Path(a.plot) if a.plot else None, workers=a.workers,
-                    reencode=_reencode(a), reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
+                    reencode=a.reencode, reencode_every=a.reencode_every, stop_untrusted=a.stop_untrusted), a.json)
 
 
 def cmd_eval_datagen(a):
@@ -609,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--command", default=None, help="the exact training command, if train_result.json lacks it")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change a config field of a release being promoted (or re-released in place) that acts only "
-                   "at inference, e.g. denoiser_steps=10 (the weights are unchanged; recorded in the provenance)")
+                   "at inference, e.g. denoiser_steps=10, or a rollout default, e.g. reencode_every=4 (the weights are unchanged; "
+                   "recorded in the provenance)")
     r.set_defaults(fn=cmd_release)
     return p
 

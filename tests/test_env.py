@@ -225,6 +225,41 @@ def test_reencode_is_an_env_option(tiny_checkpoint):
             gym.make("IWS-TPushing-v0", checkpoint=tiny_checkpoint, device="cpu", reencode_every=bad)
 
 
+def test_a_release_carries_its_rollout_defaults(tiny_checkpoint, tmp_path):
+    """`iws release --set reencode_every=K` on a spatial release: the env, the world model and the evaluations
+    run with K unless told otherwise; the weights are unchanged; a bad value is named and nothing is written."""
+    import json
+
+    import torch
+
+    from .conftest import run_iws
+    from iws_gym.models.world_model import WorldModel, release_settings
+
+    rel = tmp_path / "rel"
+    shutil.copytree(tiny_checkpoint, rel)
+    run_iws("release", "--run", tiny_checkpoint.parent / "stage2_run", "--stage", "stage2", "--dest", rel)
+    run_iws("release", "--run", rel, "--stage", "stage2", "--dest", rel, "--set", "reencode_every=3")
+    prov = json.loads((rel / "provenance.json").read_text())["stage2"]
+    assert prov["rollout"] == {"reencode_every": 3}
+    assert prov["config_set"][-1]["changes"] == {"rollout.reencode_every": [1, 3]}
+    assert release_settings(rel).reencode_every == 3 and release_settings(tiny_checkpoint).reencode_every == 1
+    assert release_settings(rel, reencode_every=2).reencode_every == 2
+    assert WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2")).settings.reencode_every == 3
+    assert gym.make("IWS-TPushing-v0", checkpoint=rel, device="cpu").unwrapped.wm.settings.reencode_every == 3
+    assert gym.make("IWS-TPushing-v0", checkpoint=rel, device="cpu", reencode_every=1).unwrapped.wm.settings.reencode_every == 1
+    run_iws("eval", "stability", "--checkpoint", rel, "--steps", 4, "--check-every", 2, "--actions", "hold",
+            "--calib-episodes", 1, "--calib-steps", 5, "--json", tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text())["reencode_every"] == 3
+    a = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"))
+    b = WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2"))
+    assert all(torch.equal(p, q) for p, q in zip(a.stage2.state_dict().values(), b.stage2.state_dict().values()))
+    before = (rel / "stage2.safetensors").read_bytes()
+    for bad, named in (("reencode_every=0", "reencode_every"), ("reencode=maybe", "reencode"), ("width=8", "width")):
+        r = run_iws("release", "--run", rel, "--stage", "stage2", "--dest", rel, "--set", bad, check=False)
+        assert r.returncode == 2 and named in r.stderr
+    assert (rel / "stage2.safetensors").read_bytes() == before
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on a CPU needs a C++ compiler")
 @pytest.mark.slow

@@ -116,14 +116,14 @@ def fidelity(task: TaskConfig, checkpoint: str | None, horizon: int = 192, episo
 
     grid: a PNG of the first `grid_episodes` episodes, the true frames above the model's, at
     GRID_STEPS (those within the horizon) - what the numbers mean, to look at.
-    settings: the model's RolloutSettings (None: the env's defaults). split: the named held-out split
+    settings: the model's RolloutSettings (None: the release's defaults). split: the named held-out split
     (data.splits): "test" for the reports, "validation" for choosing settings without touching it."""
     from tqdm import tqdm
 
     from iws_gym.data.splits import split_offset
-    from iws_gym.models.world_model import RolloutSettings
+    from iws_gym.models.world_model import RolloutSettings, release_settings
 
-    settings = settings or RolloutSettings()
+    settings = settings or (release_settings(checkpoint) if checkpoint else RolloutSettings())
     offset = split_offset(split)
 
     if horizon <= 0 or episodes <= 0:

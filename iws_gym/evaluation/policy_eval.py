@@ -66,7 +66,7 @@ def _precision(device: str) -> str:
     return dtype_name(default_dtype(device))
 
 
-def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=True,
+def run_learned(task, factory, states, horizon, seed, checkpoint=None, device="auto", batch=LEARNED_BATCH, reencode=None,
                 best_frames: list | None = None, record: list | None = None, reencode_every: int | None = None,
                 trust_min: list | None = None, stop_untrusted: bool = False, runner_seeds=None, env_seed: int | None = None,
                 trust_mean: list | None = None):
@@ -439,7 +439,7 @@ def _suite_run_ground_truth(task_name: str, name: str, states, horizon: int, see
 
 
 def _suite_run_learned(task_name: str, names: list, specs: dict, states, horizon: int, seed: int, checkpoint, device: str,
-                       reencode: bool = True, reencode_every: int | None = None, stop_untrusted: bool = False,
+                       reencode: bool | None = None, reencode_every: int | None = None, stop_untrusted: bool = False,
                        threads: int | None = None, first: int = 0, batch: int = SUITE_BATCH):
     """A group of the suite's policies in the learned world at once: their episodes share vector envs
     of `batch` worlds, so the world model steps them together (each episode keeps its policy, start state and
@@ -498,7 +498,7 @@ def suite_trust(per: dict) -> dict:
 
 
 def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: int = 0, checkpoint=None,
-              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool = True,
+              device: str = "auto", names=None, plot=None, workers: int = 1, reencode: bool | None = None,
               reencode_every: int | None = None, stop_untrusted: bool = False, extra: dict | None = None) -> dict:
     """Run the policy suite in the learned env and in gym-pusht from the same initial states; report how
     well the learned env's scores track the ground truth (per policy and overall).
@@ -511,13 +511,14 @@ def correlate(task: TaskConfig, episodes: int = 16, horizon: int = 100, seed: in
     (MODULE:CALLABLE or a policy's .safetensors, see load_policy_factory)."""
     from tqdm import tqdm
 
-    from iws_gym.models.world_model import RolloutSettings, check_reencode_every
+    from iws_gym.models.world_model import release_settings
 
     if episodes <= 1 or horizon <= 0:
         raise ValueError(f"--episodes must be > 1 and --horizon > 0, got {episodes} and {horizon}")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    reencode_every = check_reencode_every(reencode_every) if reencode_every is not None else RolloutSettings.reencode_every
+    rollout = release_settings(checkpoint or task.checkpoint_path, reencode=reencode, reencode_every=reencode_every)
+    reencode, reencode_every = rollout.reencode, rollout.reencode_every  # given, else the release's defaults
     policies = task_suite(task.name)
     unknown = sorted(set(names or []) - set(policies))
     if unknown:

@@ -185,7 +185,7 @@ def ground_truth_figures(task: TaskConfig, wm, ck, whole: dict, model: np.ndarra
 
 def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000, check_every: int = 10,
               kinds=("random", "scripted"), seed: int = 0, strip: Path | None = None, device: str = "auto",
-              reencode: bool = True, calib_episodes: int = 8, calib_steps: int = 200,
+              reencode: bool | None = None, calib_episodes: int = 8, calib_steps: int = 200,
               reencode_every: int | None = None, drives: int = 1, ground_truth: bool = False) -> dict:
     """`drives` rollouts of each kind at once, drive i from held-out start i (drive 0 is the one rollout of
     `drives=1`); the shares pool every drive's checks, `per_drive` lists each drive's own. `ground_truth`: the
@@ -193,7 +193,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     from tqdm import tqdm
 
     from iws_gym.models.hardware import dtype_name
-    from iws_gym.models.world_model import RolloutSettings, WorldModel
+    from iws_gym.models.world_model import WorldModel, release_settings
 
     if steps <= 0 or check_every <= 0:
         raise ValueError(f"--steps and --check-every must be > 0, got {steps} and {check_every}")
@@ -201,7 +201,7 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
         raise ValueError(f"--drives must be > 0, got {drives}")
     if calib_episodes <= 0 or calib_steps < 5:
         raise ValueError(f"--calib-episodes must be > 0 and --calib-steps >= 5, got {calib_episodes} and {calib_steps}")
-    settings = RolloutSettings(reencode=reencode, **({} if reencode_every is None else dict(reencode_every=reencode_every)))
+    settings = release_settings(checkpoint or task.checkpoint_path, reencode=reencode, reencode_every=reencode_every)
     wm = WorldModel.from_pretrained(checkpoint or task.checkpoint_path, device=device, stages=("stage1", "stage2"),
                                     settings=settings)
     # the first 50 steps of held-out scripted play: the first one is the rollouts' start, and every 5th frame of
@@ -213,8 +213,8 @@ def stability(task: TaskConfig, checkpoint: str | None = None, steps: int = 9000
     whole = ck.calibrate_whole(calib)  # object permanence (T: found, of its true area, rigid; piles: the count kept)
     check = reference_frames(task, calib_episodes, calib_steps, "stability_check")
     report = dict(task=task.name, checkpoint=str(wm.path), steps=steps, check_every=check_every, seed=seed, drives=drives,
-                  reencode=reencode,
-                  reencode_every=settings.reencode_every if reencode else None, precision=dtype_name(wm.dtype),
+                  reencode=settings.reencode,
+                  reencode_every=settings.reencode_every if settings.reencode else None, precision=dtype_name(wm.dtype),
                   validity=ck.VALIDITY,
                   calibration=f"real ground-truth frames, every 5th of {calib_episodes} held-out episodes of scripted play "
                               f"and {calib_episodes} of random targets, {calib_steps} steps each (split stability_calibration)",

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from iws_gym.models import trust
-from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind, release_metadata
+from iws_gym.models.checkpoint import load_release, load_state_checked, release_kind
 from iws_gym.models.dynamics import agent_landing as _landing
 from iws_gym.models.hardware import autocast, default_dtype, resolve_device
 from iws_gym.models.sampler import euler_from
@@ -320,7 +320,7 @@ class CompactWorldModel:
 
     @classmethod
     def from_pretrained(cls, path, device="auto", stages=("stage1",), dtype=None, settings=None):
-        from iws_gym.models.world_model import RolloutSettings, STAGE_FILES
+        from iws_gym.models.world_model import STAGE_FILES, release_settings
 
         path = Path(path)
         f1 = path / STAGE_FILES["stage1"]
@@ -334,7 +334,7 @@ class CompactWorldModel:
             s2 = CompactStage2(cfg2)
             load_state_checked(s2, sd2, f2)
         if settings is None:  # the release's own rollout defaults (this design: no re-encoding)
-            settings = RolloutSettings(**release_rollout(path))
+            settings = release_settings(path)
         return cls(s1, resolve_device(device), path, metas, dtype=dtype, stage2=s2, settings=settings)
 
     def with_settings(self, **changes) -> "CompactWorldModel":
@@ -462,14 +462,6 @@ class CompactWorldModel:
         for a in np.asarray(actions, dtype=np.float32):
             frames.append(self.step(state, torch.from_numpy(a)[None])[0])
         return np.stack(frames)
-
-
-def release_rollout(path) -> dict:
-    """A compact release's rollout defaults (RolloutSettings fields), read from its stage-2 metadata."""
-    from iws_gym.models.world_model import STAGE_FILES
-
-    f2 = Path(path) / STAGE_FILES["stage2"]
-    return release_metadata(f2).get("rollout", {"reencode": False}) if f2.is_file() else {"reencode": False}
 
 
 def is_compact_release(path) -> bool:

@@ -59,6 +59,9 @@ class RolloutSettings:
         if self.dynamics_sampler not in (None, "consistency", "euler"):
             raise ValueError(f"dynamics_sampler must be 'consistency' or 'euler', got {self.dynamics_sampler!r}")
         check_reencode_every(self.reencode_every)
+        for name in ("reencode", "trust"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.ctx_sigma is not None and not self.ctx_sigma >= 0:
             raise ValueError(f"ctx_sigma must be >= 0, got {self.ctx_sigma!r}")
 
@@ -106,7 +109,7 @@ class WorldModel:
 
         if is_compact_release(path):
             return CompactWorldModel.from_pretrained(path, device, stages, dtype, settings)
-        settings = settings or RolloutSettings()
+        settings = settings or release_settings(path)
         f1 = path / STAGE_FILES["stage1"]
         cfg, sd, meta = load_release(f1, "stage1", Stage1Config)
         model = Stage1(cfg)
@@ -275,13 +278,36 @@ class WorldModel:
         return np.stack(frames)
 
 
+ROLLOUT_DEFAULT_FIELDS = ("decoder_steps", "dynamics_steps", "dynamics_sampler", "reencode", "reencode_every", "ctx_sigma")
+
+
+def release_rollout(checkpoint) -> dict:
+    """A release's own rollout defaults (RolloutSettings fields), from its metadata only (no weights are loaded):
+    its design's (the compact design does not re-encode), then what its stage-2 metadata's `rollout` says
+    (`iws release --set reencode_every=4` writes it)."""
+    from iws_gym.models.checkpoint import release_metadata
+    from iws_gym.models.compact import is_compact_release
+
+    out = {"reencode": False} if is_compact_release(checkpoint) else {}
+    f2 = Path(checkpoint) / STAGE_FILES["stage2"]
+    if f2.is_file():
+        out.update(release_metadata(f2).get("rollout") or {})
+    return out
+
+
+def release_settings(checkpoint, **changes) -> RolloutSettings:
+    """The RolloutSettings a release runs with by default, with `changes` applied (a None value keeps the default).
+    A bad value raises ValueError naming the field."""
+    given = {k: v for k, v in changes.items() if v is not None}
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(RolloutSettings)})
+    if unknown:
+        raise ValueError(f"unknown rollout settings {unknown}")
+    return RolloutSettings(**{**release_rollout(checkpoint), **given})
+
+
 def release_reencodes(checkpoint) -> bool:
     """Whether a release re-encodes by default: the spatial design does; a compact release says in its metadata."""
-    from iws_gym.models.compact import is_compact_release, release_rollout
-
-    if is_compact_release(checkpoint):  # its metadata only: no weights are loaded
-        return bool(release_rollout(checkpoint).get("reencode", RolloutSettings.reencode))
-    return RolloutSettings.reencode
+    return release_settings(checkpoint).reencode
 
 
 def load_predictor(checkpoint, settings: RolloutSettings = RolloutSettings()):

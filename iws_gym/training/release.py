@@ -6,6 +6,7 @@ commit of the release, and the metrics measured on it (the JSON reports given wi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -38,10 +39,12 @@ def _summaries(reports: list[Path]) -> dict:
 
 
 def _settable(kind: str):
-    """-> (the config class of a release kind, the fields `--set` may change: those that act only at inference)."""
+    """-> (the config class of a release kind, the config fields `--set` may change: those that act only at
+    inference). Every stage-2 release also takes rollout defaults (world_model.ROLLOUT_DEFAULT_FIELDS)."""
     from iws_gym.models.compact import STAGE2_KIND, CompactStage2Config
 
-    fields = {STAGE2_KIND: (CompactStage2Config, ("denoiser_sigma", "denoiser_steps", "denoiser_sigma_min"))}
+    fields = {STAGE2_KIND: (CompactStage2Config, ("denoiser_sigma", "denoiser_steps", "denoiser_sigma_min")),
+              "stage2": (None, ())}
     if kind not in fields:
         raise ValueError(f"--set: a {kind!r} release has no fields that act only at inference")
     return fields[kind]
@@ -63,22 +66,41 @@ def parse_settings(items: list[str]) -> dict:
 
 def reconfigured(weights: Path, changes: dict) -> tuple[dict, dict, dict]:
     """The metadata and tensors of `weights` with fields of its config changed (fields that only act at inference,
-    such as the compact denoiser's schedule: the weights are unchanged), checked by rebuilding the config.
+    such as the compact denoiser's schedule: the weights are unchanged) and rollout defaults set (a stage-2
+    release's `rollout` metadata: RolloutSettings fields such as reencode_every, which the env, the evaluations
+    and the world model use unless told otherwise), each checked by rebuilding what it configures.
     -> (metadata strings, tensors, {field: [old, new]}). Nothing is written."""
     from iws_gym.models.checkpoint import _read_safetensors, config_from_dict, config_to_dict
+    from iws_gym.models.compact import STAGE2_KIND, CompactWorldModel
+    from iws_gym.models.world_model import ROLLOUT_DEFAULT_FIELDS, RolloutSettings, release_rollout
 
     meta, tensors = _read_safetensors(weights)
     cls, settable = _settable(meta.get("kind"))
-    cfg = json.loads(meta["config"])
-    full = config_to_dict(config_from_dict(cls, cfg, where=f"{weights} config"))  # defaults of newer fields included
-    unknown = sorted(set(changes) - set(settable))
+    unknown = sorted(set(changes) - set(settable) - set(ROLLOUT_DEFAULT_FIELDS))
     if unknown:
-        raise ValueError(f"--set: {unknown} cannot be changed on a {cls.__name__} release (only what acts at "
-                         f"inference: {', '.join(settable)})")
-    changed = {k: [full[k], v] for k, v in changes.items() if full[k] != v}
-    cfg.update(changes)
-    config_from_dict(cls, cfg, where=f"{weights} config with --set")
-    return dict(meta, config=json.dumps(cfg)), tensors, changed
+        raise ValueError(f"--set: {unknown} cannot be changed on a {meta.get('kind')!r} release (only what acts at "
+                         f"inference: {', '.join((*settable, *ROLLOUT_DEFAULT_FIELDS))})")
+    out, changed = dict(meta), {}
+    config_changes = {k: v for k, v in changes.items() if k in settable}
+    if config_changes:
+        cfg = json.loads(meta["config"])
+        full = config_to_dict(config_from_dict(cls, cfg, where=f"{weights} config"))  # defaults of newer fields included
+        changed.update({k: [full[k], v] for k, v in config_changes.items() if full[k] != v})
+        cfg.update(config_changes)
+        config_from_dict(cls, cfg, where=f"{weights} config with --set")
+        out["config"] = json.dumps(cfg)
+    rollout_changes = {k: v for k, v in changes.items() if k in ROLLOUT_DEFAULT_FIELDS}
+    if rollout_changes:
+        now = RolloutSettings(**release_rollout(weights.parent))
+        try:
+            new = dataclasses.replace(now, **rollout_changes)
+            if meta.get("kind") == STAGE2_KIND:
+                CompactWorldModel._check_settings(new)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--set: bad rollout default for {weights}: {e}") from None
+        changed.update({f"rollout.{k}": [getattr(now, k), v] for k, v in rollout_changes.items() if getattr(now, k) != v})
+        out["rollout"] = json.dumps({**json.loads(meta.get("rollout") or "{}"), **rollout_changes})
+    return out, tensors, changed
 
 
 def promote(src: Path, stage: str, dest: Path, reports: list[Path], settings: dict | None = None) -> dict:
@@ -106,7 +128,10 @@ def promote(src: Path, stage: str, dest: Path, reports: list[Path], settings: di
     if reconf is not None:
         meta, tensors, changed = reconf
         _write_safetensors(dest / f"{stage}.safetensors", tensors, meta)
-        entry["config"] = json.loads(meta["config"])
+        if "config" in meta:
+            entry["config"] = json.loads(meta["config"])
+        if "rollout" in meta:
+            entry["rollout"] = json.loads(meta["rollout"])
         entry["config_set"] = list(entry.get("config_set") or []) + [dict(changes=changed, at_commit=entry["released_at_commit"])]
     elif not same:
         tmp = dest / f".{stage}.safetensors.tmp"
