@@ -396,3 +396,44 @@ def test_denoiser_steps_set_at_release(compact, tmp_path):
         r = run_iws("release", "--run", dest, "--stage", "stage2", "--dest", dest, "--set", bad, check=False)
         assert r.returncode == 2 and named in r.stderr
     assert (dest / "stage2.safetensors").read_bytes() == before
+
+
+def test_a_push_that_ends_is_settled_once(tmp_path):
+    """settle_sigma: where the gate shuts after a step it was open at, the latent left at rest is projected by the
+    denoiser's ODE from settle_sigma; a world that was at rest, or is still moving, is untouched, and a world at rest
+    from its start is never settled."""
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY2, settle_sigma=0.4, settle_steps=4)
+    torch.manual_seed(0)
+    s2, plain = CompactStage2(cfg), CompactStage2(TINY2)
+    plain.load_state_dict(s2.state_dict())
+    s2.eval(), plain.eval()
+    z = 0.3 * torch.randn(3, cfg.context, cfg.z_dim)
+    p, a, nv = torch.rand(3, cfg.context, 2), torch.rand(3, cfg.context, 2), torch.full((3,), cfg.context)
+    gate = torch.tensor([0.0, 0.0, 1.0])  # env 0: the push ends now; env 1: was at rest; env 2: still moving
+    for m in (s2, plain):
+        m.dynamics.forward = lambda z, p, a, nv: (z[:, -1] + 0.1 * gate[:, None], gate)
+    was_open = torch.tensor([True, False, True])
+    with torch.no_grad():
+        out, g, moved = s2.predict(z, p, a, nv, was_open)
+        ref, _, ref_moved = plain.predict(z, p, a, nv, was_open)
+        none, *_ = s2.predict(z, p, a, nv)
+    assert not torch.equal(out[0], z[0, -1]) and torch.equal(ref[0], z[0, -1])  # settled / the released step keeps it
+    assert torch.equal(out[1], z[1, -1]) and torch.equal(out[2], ref[2]) and torch.equal(moved, ref_moved)
+    assert torch.equal(none, ref)  # without was_open nothing is settled
+    assert len(s2.settle_sigmas) == 4 and s2.settle_sigmas[0] == pytest.approx(0.4) and plain.settle_sigmas == []
+    for bad in (dict(settle_steps=0), dict(settle_sigma=0.001), dict(settle_steps=True)):
+        with pytest.raises(ValueError, match="settle"):
+            dataclasses.replace(TINY2, **bad)
+    # a world at rest from its start: the start's gate reads open, yet nothing is settled at the first step
+    rel = _release(tmp_path / "rest", gate_bias=-1.0)
+    wm = WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2"))
+    wm.stage2.cfg = dataclasses.replace(wm.stage2.cfg, settle_sigma=0.4)
+    wm.stage2.settle_sigmas = [0.4, 0.1, 0.01]
+    start = np.array([[213.7, 391.3]])
+    state = wm.start_frames(_frames(1), start)
+    z0 = state["ctx"][:, -1].clone()
+    for _ in range(3):
+        wm.step(state, torch.tensor(start, dtype=torch.float32))
+    assert torch.equal(state["ctx"][:, -1], z0)
