@@ -232,13 +232,15 @@ def test_a_release_carries_its_rollout_defaults(tiny_checkpoint, tmp_path):
 
     import torch
 
-    from .conftest import run_iws
+    from iws_gym.envs.registry import load_task
+    from iws_gym.evaluation.stability import stability
     from iws_gym.models.world_model import WorldModel, release_settings
+    from iws_gym.training.release import release
 
     rel = tmp_path / "rel"
     shutil.copytree(tiny_checkpoint, rel)
-    run_iws("release", "--run", tiny_checkpoint.parent / "stage2_run", "--stage", "stage2", "--dest", rel)
-    run_iws("release", "--run", rel, "--stage", "stage2", "--dest", rel, "--set", "reencode_every=3")
+    release(tiny_checkpoint.parent / "stage2_run", "stage2", rel, [])
+    release(rel, "stage2", rel, [], settings={"reencode_every": 3})
     prov = json.loads((rel / "provenance.json").read_text())["stage2"]
     assert prov["rollout"] == {"reencode_every": 3}
     assert prov["config_set"][-1]["changes"] == {"rollout.reencode_every": [1, 3]}
@@ -247,16 +249,17 @@ def test_a_release_carries_its_rollout_defaults(tiny_checkpoint, tmp_path):
     assert WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2")).settings.reencode_every == 3
     assert gym.make("IWS-TPushing-v0", checkpoint=rel, device="cpu").unwrapped.wm.settings.reencode_every == 3
     assert gym.make("IWS-TPushing-v0", checkpoint=rel, device="cpu", reencode_every=1).unwrapped.wm.settings.reencode_every == 1
-    run_iws("eval", "stability", "--checkpoint", rel, "--steps", 4, "--check-every", 2, "--actions", "hold",
-            "--calib-episodes", 1, "--calib-steps", 5, "--json", tmp_path / "s.json")
-    assert json.loads((tmp_path / "s.json").read_text())["reencode_every"] == 3
+    r = stability(load_task("tpushing"), str(rel), steps=4, check_every=2, kinds=("hold",), device="cpu",
+                  calib_episodes=1, calib_steps=5)
+    assert r["reencode_every"] == 3
     a = WorldModel.from_pretrained(tiny_checkpoint, device="cpu", stages=("stage1", "stage2"))
     b = WorldModel.from_pretrained(rel, device="cpu", stages=("stage1", "stage2"))
     assert all(torch.equal(p, q) for p, q in zip(a.stage2.state_dict().values(), b.stage2.state_dict().values()))
     before = (rel / "stage2.safetensors").read_bytes()
-    for bad, named in (("reencode_every=0", "reencode_every"), ("reencode=maybe", "reencode"), ("width=8", "width")):
-        r = run_iws("release", "--run", rel, "--stage", "stage2", "--dest", rel, "--set", bad, check=False)
-        assert r.returncode == 2 and named in r.stderr
+    for bad, named in (({"reencode_every": 0}, "reencode_every"), ({"reencode": "maybe"}, "reencode"),
+                       ({"width": 8}, "width")):
+        with pytest.raises(ValueError, match=named):
+            release(rel, "stage2", rel, [], settings=bad)
     assert (rel / "stage2.safetensors").read_bytes() == before
 
 
