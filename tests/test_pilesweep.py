@@ -207,12 +207,14 @@ def test_learned_pile_sweeping_env(tiny_pile_release):
 def test_shipped_pile_weights_make_the_env():
     """The shipped weights (checkpoints/pilesweeping): gym.make("IWS-PileSweeping-v0") with no checkpoint given
     passes the env checker, starts from the ground truth's own render of a held-out pile, and a step draws a
-    frame whose piece count is read near the pile's (a pushed puck may fade later: docs/results.md)."""
+    frame whose piece count is read near the pile's (a pushed puck may fade later: docs/results.md). The release
+    re-encodes every 4th step by default (its rollout metadata)."""
     from gymnasium.utils.env_checker import check_env
 
     import iws_gym  # noqa: F401
 
     env = gym.make("IWS-PileSweeping-v0", device="cpu")
+    assert env.unwrapped.wm.settings.reencode and env.unwrapped.wm.settings.reencode_every == 4
     check_env(env.unwrapped, skip_render_check=True)
     gt = make_env()
     gt.reset(seed=1_000_001)  # a held-out pile
