@@ -305,11 +305,6 @@ def release_settings(checkpoint, **changes) -> RolloutSettings:
     return RolloutSettings(**{**release_rollout(checkpoint), **given})
 
 
-def release_reencodes(checkpoint) -> bool:
-    """Whether a release re-encodes by default: the spatial design does; a compact release says in its metadata."""
-    return release_settings(checkpoint).reencode
-
-
 def load_predictor(checkpoint, settings: RolloutSettings = RolloutSettings()):
     """A fidelity predictor `(episode, horizon) -> frames (horizon+1, H, W, 3)` for a checkpoint directory.
 
