@@ -68,10 +68,6 @@ class CompactStage2Config:
                                             # prediction); n > 1: the probability-flow ODE down to
                                             # denoiser_sigma_min in n calls (one scene near it; Denoiser.project)
     denoiser_sigma_min: float = 0.01
-    settle_sigma: float = 0.0               # > 0: at the step a push ends (the gate shuts after being open), the
-                                            # latent is projected once by the denoiser's ODE from this level, so
-                                            # the scene left at rest is one encodable scene, not a blend of poses
-    settle_steps: int = 8                   # denoiser calls of that projection, down to denoiser_sigma_min
 
     def __post_init__(self):
         if isinstance(self.denoiser_steps, bool) or not isinstance(self.denoiser_steps, int) or self.denoiser_steps < 1:
@@ -79,11 +75,6 @@ class CompactStage2Config:
         if self.denoiser_steps > 1 and not 0 < self.denoiser_sigma_min <= self.denoiser_sigma:
             raise ValueError(f"denoiser_sigma_min must be in (0, denoiser_sigma], got {self.denoiser_sigma_min!r} "
                              f"with denoiser_sigma {self.denoiser_sigma!r}")
-        if isinstance(self.settle_steps, bool) or not isinstance(self.settle_steps, int) or self.settle_steps < 1:
-            raise ValueError(f"settle_steps must be an int >= 1, got {self.settle_steps!r}")
-        if not (self.settle_sigma == 0 or self.settle_sigma >= self.denoiser_sigma_min):
-            raise ValueError(f"settle_sigma must be 0 (off) or >= denoiser_sigma_min ({self.denoiser_sigma_min}), "
-                             f"got {self.settle_sigma!r}")
 
 
 def _gn(c):
@@ -286,14 +277,10 @@ class CompactStage2(nn.Module):
         # the levels Denoiser.project runs down each step (fixed by the config: computed once, not per step)
         self.denoiser_sigmas = [] if cfg.denoiser_sigma <= 0 else [float(cfg.denoiser_sigma)] if cfg.denoiser_steps == 1 \
             else [float(s) for s in geometric_sigmas(cfg.denoiser_steps, cfg.denoiser_sigma, cfg.denoiser_sigma_min)]
-        self.settle_sigmas = [] if not (cfg.settle_sigma > 0 and self.denoiser is not None) else \
-            [float(s) for s in geometric_sigmas(cfg.settle_steps, cfg.settle_sigma, min(cfg.settle_sigma, cfg.denoiser_sigma_min))]
 
-    def predict(self, z, p, a, n_valid, was_open=None):
+    def predict(self, z, p, a, n_valid):
         """The next latent, the gate (see Dynamics) and how far the denoiser moved it (B,), in z's standard
-        deviations squared (0 without a denoiser, and at rest: the denoiser only touches latents that moved).
-        `was_open` (B,) bool: whose gate was open at the step before; where it shuts now, a push has ended and the
-        latent is settled (`settle_sigma`; nothing happens without it)."""
+        deviations squared (0 without a denoiser, and at rest: the denoiser only touches latents that moved)."""
         z1, gate = self.dynamics(z, p, a, n_valid)
         moved = torch.zeros(len(z1), device=z1.device)
         if self.denoiser is not None and self.cfg.denoiser_sigma > 0:
@@ -302,10 +289,6 @@ class CompactStage2(nn.Module):
             open_ = (gate > 0)[:, None]
             moved = torch.where(open_, (zd - z1) / self.denoiser.z_sd, 0.0).pow(2).mean(1)
             z1 = torch.where(open_, zd, z1)
-            if self.settle_sigmas and was_open is not None:
-                closing = (was_open & (gate <= 0))[:, None]
-                if bool(closing.any()):
-                    z1 = torch.where(closing, self.denoiser.project(z1, p1, self.settle_sigmas), z1)
         return z1, gate, moved
 
 
@@ -438,8 +421,7 @@ class CompactWorldModel:
         a = torch.as_tensor(actions, dtype=torch.float32, device=self.device).reshape(-1, 2) / CANVAS
         nv = state["n_valid"]
         acts = pad_first(torch.cat([state["acts"][:, 1:], a[:, None]], 1), nv)
-        was_open = (state["gate"] > 0) & (state["t"] > 0)  # the start's gate reads open: not a push
-        z1, gate, state["denoised"] = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv, was_open)
+        z1, gate, state["denoised"] = self.stage2.predict(state["ctx"], state["agent_hist"], acts, nv)
         p1 = agent_landing(state["agent_hist"], acts, nv, cfg.agent_motion).clamp(0, 1)
         nv1 = (nv + 1).clamp(max=K)
         state["acts"] = acts

@@ -43,8 +43,7 @@ def _settable(kind: str):
     inference). Every stage-2 release also takes rollout defaults (world_model.ROLLOUT_DEFAULT_FIELDS)."""
     from iws_gym.models.compact import STAGE2_KIND, CompactStage2Config
 
-    fields = {STAGE2_KIND: (CompactStage2Config, ("denoiser_sigma", "denoiser_steps", "denoiser_sigma_min",
-                                                      "settle_sigma", "settle_steps")),
+    fields = {STAGE2_KIND: (CompactStage2Config, ("denoiser_sigma", "denoiser_steps", "denoiser_sigma_min")),
               "stage2": (None, ())}
     if kind not in fields:
         raise ValueError(f"--set: a {kind!r} release has no fields that act only at inference")
