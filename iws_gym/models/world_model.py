@@ -278,7 +278,8 @@ class WorldModel:
         return np.stack(frames)
 
 
-ROLLOUT_DEFAULT_FIELDS = ("decoder_steps", "dynamics_steps", "dynamics_sampler", "reencode", "reencode_every", "ctx_sigma")
+# what a release may set as its own rollout default (`iws release --set`): every setting but the trust switch
+ROLLOUT_DEFAULT_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutSettings) if f.name != "trust")
 
 
 def release_rollout(checkpoint) -> dict:
